@@ -1,0 +1,1 @@
+"""Tandem workers: the model, the engine, and the prefill and decode actors built on them."""

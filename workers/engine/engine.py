@@ -1,0 +1,165 @@
+"""LLMEngine: requests in, token deltas out, one `step()` at a time.
+
+    step = schedule -> execute on the model -> update bookkeeping -> apply stop strings
+
+The engine holds no threads; the offline API and the workers drive `step()` in their loops.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine.block_pool import BlockPool
+from workers.engine.config import EngineConfig
+from workers.engine.model_runner import ModelRunner
+from workers.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.engine.stop_strings import StopStringMatcher
+from workers.model.loader import build_model, resolve_model
+from workers.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    # Set only for requests with stop strings: the text they were cut at.
+    text: str | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        if config.num_threads and config.device == "cpu":
+            torch.set_num_threads(config.num_threads)
+        self.source = resolve_model(config.model)
+        self.tokenizer = tokenizer or Tokenizer(self.source)
+        device = torch.device(config.device)
+        model = build_model(self.source, getattr(torch, config.dtype), device)
+        self.model_config = model.cfg
+        self.max_model_len = min(
+            config.max_model_len or model.cfg.max_position_embeddings,
+            model.cfg.max_position_embeddings,
+        )
+        num_blocks = config.num_kv_blocks or self._blocks_for_memory(model)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, device,
+                                  config.attention_backend)
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                prefill_chunk_size=config.prefill_chunk_size,
+                policy=config.policy,
+                batching=config.batching,
+                max_model_len=self.max_model_len,
+            ),
+            self.pool,
+        )
+        eos = set(model.cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self._seeds = random.Random(config.seed)
+        self._stops: dict[str, StopStringMatcher] = {}
+        log.info("engine ready: %s, %s, %d KV blocks of %d tokens, backend %s",
+                 self.source.path.name, config.dtype, num_blocks, config.block_size,
+                 self.runner.backend.name)
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        self.validate_prompt(prompt_token_ids)
+        req = Request(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling=sampling,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            seed=sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63),
+        )
+        self.scheduler.add_request(req)
+        if sampling.stop:
+            self._stops[req.request_id] = StopStringMatcher(self.tokenizer, sampling.stop)
+        return req.request_id
+
+    def validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not (0 <= t < vocab) for t in ids):
+            raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is "
+                             f"{self.max_model_len}, leaving no room to generate")
+        if -(-len(ids) // self.pool.block_size) > self.pool.num_blocks:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than the whole KV cache holds "
+                             f"({self.pool.num_blocks * self.pool.block_size})")
+        cfg = self.scheduler.config
+        if not cfg.enable_chunked_prefill and len(ids) > cfg.max_num_batched_tokens:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_num_batched_tokens="
+                             f"{cfg.max_num_batched_tokens} with chunked prefill off")
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its blocks are free when this returns."""
+        self._stops.pop(request_id, None)
+        return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_CANCELLED) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop body ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        try:
+            sampled = self.runner.execute(out)
+        except Exception as e:  # one bad step must not take the engine down with it
+            log.exception("model step failed; failing its %d requests", len(out.scheduled))
+            return [self._fail(s.request_id, f"{type(e).__name__}: {e}") for s in out.scheduled]
+        results = []
+        for req, new_ids in self.scheduler.update_from_output(out, sampled):
+            results.append(self._output(req, new_ids))
+        return results
+
+    def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
+        text = None
+        matcher = self._stops.get(req.request_id)
+        if matcher is not None:
+            hit = matcher.push(new_ids)
+            text = matcher.text
+            if hit is not None and not req.is_finished:
+                # Keep the tokens up to the one that completed the match.
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            if req.is_finished:
+                del self._stops[req.request_id]
+        return RequestOutput(req.request_id, new_ids, req.is_finished, req.finish_reason,
+                             req.error, text)
+
+    def _fail(self, request_id: str, message: str) -> RequestOutput:
+        self._stops.pop(request_id, None)
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR, message)
+        return RequestOutput(request_id, [], True, FinishReason.ERROR, message)
+
+    def _blocks_for_memory(self, model) -> int:
+        cfg = model.cfg
+        itemsize = torch.empty((), dtype=getattr(torch, self.config.dtype)).element_size()
+        per_block = 2 * cfg.num_layers * self.config.block_size * cfg.kv_size * itemsize
+        return max(1, int(self.config.kv_cache_memory_gb * 2**30) // per_block)

@@ -1,0 +1,91 @@
+"""Per-request block tables on top of the block pool: reserve slots, publish full blocks to the
+prefix cache, release everything when a request ends or is preempted."""
+
+from __future__ import annotations
+
+from workers.engine.block_pool import BlockPool, chain_hash
+from workers.engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, watermark_blocks: int = 0) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        # Admission leaves this many blocks free so running sequences can grow a little
+        # before anything has to be preempted.
+        self.watermark_blocks = watermark_blocks
+        self.tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[bytes]] = {}
+        self._published: dict[str, int] = {}
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.tables.get(request_id, [])
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Cache hits for a request about to start from scratch. At least one token is always
+        left to compute, since its logits are needed to sample."""
+        tokens = req.all_token_ids
+        hashes = self._hashes_for(req, (len(tokens) - 1) // self.block_size)
+        return self.pool.lookup(hashes)
+
+    def can_allocate(
+        self, req: Request, num_new_tokens: int, cached: list[int] = (), admitting: bool = False
+    ) -> bool:
+        return self._cost(req, num_new_tokens, cached) + (
+            self.watermark_blocks if admitting else 0
+        ) <= self.pool.num_free_blocks
+
+    def allocate(self, req: Request, num_new_tokens: int, cached: list[int] = ()) -> None:
+        """Reserve blocks so that tokens up to num_computed + cached + new have a slot."""
+        table = self.tables.setdefault(req.request_id, [])
+        if cached:
+            assert not table, "prefix hits apply only to a request starting from scratch"
+            self.pool.touch(cached)
+            table.extend(cached)
+            self._published[req.request_id] = len(cached)
+        total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        missing = self.blocks_needed(total) - len(table)
+        if missing > 0:
+            table.extend(self.pool.allocate(missing))
+
+    def publish(self, req: Request) -> None:
+        """Offer every full block whose tokens are all computed to the prefix cache."""
+        if not self.pool.enable_prefix_caching:
+            return
+        full = req.num_computed_tokens // self.block_size
+        done = self._published.get(req.request_id, 0)
+        if full <= done:
+            return
+        hashes = self._hashes_for(req, full)
+        table = self.tables[req.request_id]
+        for i in range(done, full):
+            self.pool.cache(table[i], hashes[i])
+        self._published[req.request_id] = full
+
+    def free(self, req: Request) -> None:
+        table = self.tables.pop(req.request_id, None)
+        if table:
+            self.pool.free(table)
+        self._published.pop(req.request_id, None)
+        self._hashes.pop(req.request_id, None)
+
+    def _cost(self, req: Request, num_new_tokens: int, cached: list[int]) -> int:
+        table = self.tables.get(req.request_id, [])
+        total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        fresh = max(0, self.blocks_needed(total) - len(table) - len(cached))
+        # A hit that nobody holds sits in the free list, so holding it uses free capacity too.
+        idle_hits = sum(1 for b in cached if self.pool.blocks[b].ref_count == 0)
+        return fresh + idle_hits
+
+    def _hashes_for(self, req: Request, num_blocks: int) -> list[bytes]:
+        hashes = self._hashes.setdefault(req.request_id, [])
+        if len(hashes) < num_blocks:
+            tokens = req.all_token_ids
+            parent = hashes[-1] if hashes else b""
+            for i in range(len(hashes), num_blocks):
+                parent = chain_hash(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
+                hashes.append(parent)
+        return hashes[:num_blocks]

@@ -1,0 +1,138 @@
+"""Runs one scheduled step on the model: flattens the step into rows, builds the attention
+metadata, runs the decoder, computes logits only for rows that sample, and samples.
+
+It owns the device KV cache: per layer, a K and a V tensor of
+`[num_blocks, block_size, num_kv_heads, head_dim]`, the layout both attention backends and
+the KV transfer read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine.sampler import SamplingTensors, sample
+from workers.engine.scheduler_output import SampledToken, SchedulerOutput
+from workers.model.attention import AttentionMetadata, PrefillSlice, select_backend
+from workers.model.llama import LlamaForCausalLM
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What a KV block holds; two caches can exchange blocks only if their layouts are equal."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    @property
+    def bytes_per_block(self) -> int:
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+def allocate_kv_cache(layout: CacheLayout, num_blocks: int, device: torch.device):
+    shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    dtype = getattr(torch, layout.dtype)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(layout.num_layers)
+    ]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        attention_backend: str = "auto",
+    ) -> None:
+        cfg = model.cfg
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.backend = select_backend(attention_backend, device)
+        self.backend.check_block_size(block_size)
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        self.layout = CacheLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype)
+        self.kv_caches = allocate_kv_cache(self.layout, num_blocks, device)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[SampledToken]:
+        scheduled = out.scheduled
+        input_ids, positions, slots = [], [], []
+        for s in scheduled:
+            input_ids += s.token_ids
+            positions += range(s.start_position, s.context_len)
+            slots += self._slots(s.block_ids, s.start_position, s.context_len)
+        meta = self._metadata(out, slots)
+        dev = self.device
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_caches,
+            self.backend,
+            meta,
+        )
+        rows, samplers, offset = [], [], 0
+        for s in scheduled:
+            offset += s.num_tokens
+            if s.sample:
+                rows.append(offset - 1)
+                samplers.append(s)
+        if not rows:
+            return []
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
+        result = sample(logits, self._sampling_tensors(samplers))
+        ids = result.token_ids.tolist()
+        lps = result.logprobs.tolist() if result.logprobs is not None else [None] * len(ids)
+        return [
+            SampledToken(s.request_id, tok, lp if s.sampling.logprobs else None)
+            for s, tok, lp in zip(samplers, ids, lps)
+        ]
+
+    def _slots(self, blocks: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _metadata(self, out: SchedulerOutput, slots: list[int]) -> AttentionMetadata:
+        dev = self.device
+        decode_tables = decode_lens = None
+        if out.decodes:
+            width = max(len(s.block_ids) for s in out.decodes)
+            table = torch.zeros(len(out.decodes), width, dtype=torch.long)
+            for i, s in enumerate(out.decodes):
+                table[i, : len(s.block_ids)] = torch.tensor(s.block_ids)
+            decode_tables = table.to(dev)
+            decode_lens = torch.tensor([s.context_len for s in out.decodes], device=dev)
+        prefills, row = [], len(out.decodes)
+        for s in out.prefills:
+            table = torch.tensor(s.block_ids, dtype=torch.long, device=dev)
+            prefills.append(PrefillSlice(row, s.num_tokens, s.context_len, table))
+            row += s.num_tokens
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decode_tokens=len(out.decodes),
+            decode_block_tables=decode_tables,
+            decode_context_lens=decode_lens,
+            prefills=prefills,
+        )
+
+    def _sampling_tensors(self, reqs) -> SamplingTensors:
+        dev = self.device
+        params = [s.sampling for s in reqs]
+        return SamplingTensors(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+            top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long, device=dev),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+            seeds=torch.tensor([s.seed & (2**63 - 1) for s in reqs], dtype=torch.long, device=dev),
+            counters=torch.tensor([s.num_output_tokens for s in reqs], dtype=torch.long, device=dev),
+            all_greedy=all(p.greedy for p in params),
+            any_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+            want_logprobs=any(p.logprobs for p in params),
+        )

@@ -1,0 +1,201 @@
+"""Iteration-level scheduling (Orca): every step picks work within a token budget.
+
+Each step:
+1. running requests, in policy order, get their next token (decode) or next prompt chunk;
+   one that needs a block when none is free preempts the policy's last running request
+   (recompute: its blocks are freed, and it later re-prefills its prompt and outputs so far);
+2. if nothing was preempted, waiting requests are admitted, in policy order, while their
+   first chunk's blocks fit and the budget and `max_num_seqs` allow.
+
+Static batching admits a new group only when the previous one has entirely finished.
+The scheduler is pure bookkeeping: it never touches tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from workers.engine.block_pool import BlockPool
+from workers.engine.kv_manager import KVCacheManager
+from workers.engine.policy import make_policy
+from workers.engine.request import Request, RequestStatus
+from workers.engine.scheduler_output import SampledToken, ScheduledRequest, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    prefill_chunk_size: int = 512  # most prompt tokens one request may compute per step
+    policy: str = "fcfs"
+    batching: str = "continuous"
+    max_model_len: int = 8192
+    watermark: float = 0.01  # share of blocks kept free at admission
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size",
+                     "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be positive")
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching={self.batching!r}: choose continuous or static")
+        make_policy(self.policy)
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark={self.watermark}: must be in [0, 1)")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.kv = KVCacheManager(pool, watermark_blocks=int(config.watermark * pool.num_blocks))
+        self.policy = make_policy(config.policy)
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._seq = itertools.count()
+
+    # -- requests in and out --------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.policy.register(req)
+        self.waiting.append(req)
+
+    def finish_request(self, request_id: str, status: RequestStatus, error: str | None = None):
+        """End a request now, releasing its blocks at once. Unknown or ended ids are ignored."""
+        assert status.is_finished
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        req.status = status
+        req.error = error
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        self.policy.forget(req)
+        return req
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=self.policy.key)
+        admit = self.config.batching == "continuous" or not self.running
+        for req in list(self.running):
+            if req not in self.running:
+                continue  # preempted earlier in this loop to make room
+            n = self._num_new_tokens(req, budget)
+            if n == 0:
+                continue
+            while not self.kv.can_allocate(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted_ids.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                self.kv.allocate(req, n)
+                budget -= n
+                self._emit(out, req, n)
+        if out.preempted_ids:
+            admit = False
+        self.waiting.sort(key=self.policy.key)
+        while admit and self.waiting and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            req = self.waiting[0]
+            cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            num_cached = len(cached) * self.pool.block_size
+            n = self._num_new_tokens(req, budget, skip=num_cached)
+            if n == 0 or not self.kv.can_allocate(req, n, cached, admitting=True):
+                break
+            self.kv.allocate(req, n, cached)
+            req.num_computed_tokens += num_cached
+            req.num_cached_tokens = num_cached
+            self.waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            budget -= n
+            self._emit(out, req, n)
+        return out
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: list[SampledToken]
+    ) -> list[tuple[Request, list[int]]]:
+        """Advance every scheduled request; returns (request, new token ids) for each that
+        gained tokens or ended this step. Ended requests have released their blocks."""
+        by_id = {s.request_id: s for s in sampled}
+        results = []
+        for sched in out.scheduled:
+            req = self.requests.get(sched.request_id)
+            if req is None:
+                continue  # cancelled while the step ran; its blocks are already free
+            req.num_computed_tokens += sched.num_tokens
+            self.kv.publish(req)
+            tok = by_id.get(sched.request_id)
+            if not sched.sample or tok is None:
+                continue
+            req.output_token_ids.append(tok.token_id)
+            if tok.logprob is not None:
+                req.output_logprobs.append(tok.logprob)
+            status = self._check_stop(req, tok.token_id)
+            if status is not None:
+                self.finish_request(req.request_id, status)
+            results.append((req, [tok.token_id]))
+        return results
+
+    # -- helpers --------------------------------------------------------------------------
+    def _num_new_tokens(self, req: Request, budget: int, skip: int = 0) -> int:
+        remaining = req.num_tokens - req.num_computed_tokens - skip
+        if remaining > 1:  # a prompt (or recompute) chunk
+            if self.config.enable_chunked_prefill:
+                remaining = min(remaining, self.config.prefill_chunk_size)
+            elif remaining > budget:
+                return 0  # unchunked prompts wait for a step with room for all of them
+        return max(0, min(remaining, budget))
+
+    def _emit(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        start = req.num_computed_tokens
+        tokens = req.all_token_ids[start : start + n]
+        sched = ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=tokens,
+            start_position=start,
+            block_ids=list(self.kv.block_table(req.request_id)),
+            sample=start + n == req.num_tokens,
+            sampling=req.sampling,
+            seed=req.seed,
+            num_output_tokens=req.num_output_tokens,
+        )
+        (out.decodes if n == 1 else out.prefills).append(sched)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.append(req)
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling
+        if token in sp.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if not sp.ignore_eos and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,58 @@
+"""What the scheduler hands the model runner for one step, and what comes back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.engine.request import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens whose KV is computed this step
+    start_position: int  # absolute position of token_ids[0] (= tokens already in the cache)
+    block_ids: list[int]  # the request's whole block table
+    sample: bool  # this chunk reaches the end of the known tokens, so a token is sampled
+    sampling: SamplingParams
+    seed: int
+    num_output_tokens: int  # output tokens before this step: the sampler's counter
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    decodes: list[ScheduledRequest] = field(default_factory=list)  # one token each
+    prefills: list[ScheduledRequest] = field(default_factory=list)  # prompt chunks
+    preempted_ids: list[str] = field(default_factory=list)  # lost their blocks this step
+
+    @classmethod
+    def make_empty(cls) -> SchedulerOutput:
+        return cls()
+
+    @property
+    def scheduled(self) -> list[ScheduledRequest]:
+        """Decodes first, then prefills: the row order of the model's flattened batch."""
+        return self.decodes + self.prefills
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return len(self.decodes) + sum(p.num_tokens for p in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    request_id: str
+    token_id: int
+    logprob: float | None = None

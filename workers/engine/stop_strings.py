@@ -1,0 +1,34 @@
+"""Stop strings: detokenize as tokens arrive and cut the text where a stop string begins."""
+
+from __future__ import annotations
+
+from workers.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class StopStringMatcher:
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = stops
+        self._longest = max(len(s) for s in stops)
+        self.text = ""
+        self.stopped: str | None = None
+
+    def push(self, new_ids: list[int]) -> str | None:
+        """Feed new tokens; returns the stop string once one appears (text is cut before it)."""
+        if self.stopped is not None:
+            return self.stopped
+        delta = self.detok.push(new_ids)
+        if not delta:
+            return None
+        # Only the tail can hold a new match: the delta plus what a stop string could straddle.
+        start = max(0, len(self.text) - self._longest + 1)
+        self.text += delta
+        best = None
+        for s in self.stops:
+            i = self.text.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            self.text = self.text[: best[0]]
+            self.stopped = best[1]
+        return self.stopped

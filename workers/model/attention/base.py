@@ -1,0 +1,67 @@
+"""The attention backend interface and the per-step metadata every backend reads.
+
+A step's tokens are flattened into one row per token: first every decode (one query token per
+sequence), then the prefill chunks, each a contiguous run of rows. The KV cache of a layer is a
+pair of tensors `[num_blocks, block_size, num_kv_heads, head_dim]`; token `t` of a sequence lives
+in slot `block_table[t // block_size] * block_size + t % block_size`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillSlice:
+    """One sequence's prefill chunk within the step."""
+
+    q_start: int  # first row of the chunk in the flattened step
+    q_len: int  # tokens computed this step
+    ctx_len: int  # tokens in the cache after this step (cached prefix + this chunk)
+    block_table: torch.Tensor  # [num_blocks_of_sequence], int64
+
+    @property
+    def has_prefix(self) -> bool:
+        return self.ctx_len > self.q_len
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot written by each row
+    num_decode_tokens: int  # rows [0, num_decode_tokens) are single-token decodes
+    decode_block_tables: torch.Tensor | None  # [B, max_blocks], padded with block 0
+    decode_context_lens: torch.Tensor | None  # [B] tokens in cache including this step's
+    prefills: list[PrefillSlice]
+    # Derived once per step and shared by all layers (backends fill these lazily).
+    decode_mask: torch.Tensor | None = None
+    # Flash-attn varlen inputs, built only by that backend.
+    extra: dict | None = None
+
+
+class AttentionBackend(ABC):
+    """Writes this step's K/V into the paged cache, then attends over it.
+
+    Invariants: the backend never allocates or frees blocks (the scheduler owns them); it writes
+    exactly the slots in `slot_mapping` and reads only blocks listed in the step's block tables.
+    """
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KVH, D]
+        v: torch.Tensor,  # [T, KVH, D]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        ...
+
+    def check_block_size(self, block_size: int) -> None:
+        """Raise ValueError if this backend cannot address blocks of this size."""

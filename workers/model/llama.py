@@ -1,0 +1,126 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) that runs on flattened token rows
+against a paged KV cache. Weights take HF names; q/k/v and gate/up are fused at load time
+because one larger matmul beats three small ones on CPU and GPU alike.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model.attention.base import AttentionBackend, AttentionMetadata
+from workers.model.config import CheckpointError, ModelConfig
+from workers.model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x, positions, rope, backend, k_cache, v_cache, meta):
+        cfg = self.cfg
+        h = self.input_layernorm(x)
+        q, k, v = self.qkv_proj(h).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q, k = rope(positions, q, k)
+        attn = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        x = x + self.o_proj(attn.reshape(-1, cfg.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, one row per input token."""
+        x = self.embed_tokens(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rope, backend, k_cache, v_cache, meta)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor], source: str) -> None:
+        """Load HF-named tensors (`model.layers.N.self_attn.q_proj.weight`, ...), fusing as we go."""
+        cfg = self.cfg
+        w = {k.removeprefix("model."): t for k, t in weights.items()}
+
+        def take(name: str) -> torch.Tensor:
+            if name not in w:
+                raise CheckpointError(f"{source}: tensor {name!r} is missing")
+            return w[name]
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise CheckpointError(
+                    f"{source}: tensor {name!r} has shape {tuple(value.shape)}, "
+                    f"expected {tuple(param.shape)} for this config"
+                )
+            param.data.copy_(value)
+
+        with torch.no_grad():
+            put(self.embed_tokens.weight, take("embed_tokens.weight"), "embed_tokens.weight")
+            put(self.norm.weight, take("norm.weight"), "norm.weight")
+            if not cfg.tie_word_embeddings:
+                put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+            for i, layer in enumerate(self.layers):
+                p = f"layers.{i}."
+                attn, mlp = p + "self_attn.", p + "mlp."
+                qkv = torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"])
+                put(layer.qkv_proj.weight, qkv, attn + "qkv_proj.weight")
+                if cfg.qkv_bias:
+                    bias = torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"])
+                    put(layer.qkv_proj.bias, bias, attn + "qkv_proj.bias")
+                put(layer.o_proj.weight, take(attn + "o_proj.weight"), attn + "o_proj.weight")
+                gate_up = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+                put(layer.gate_up_proj.weight, gate_up, mlp + "gate_up_proj.weight")
+                put(layer.down_proj.weight, take(mlp + "down_proj.weight"), mlp + "down_proj.weight")
+                put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "ln")
+                put(
+                    layer.post_attention_layernorm.weight,
+                    take(p + "post_attention_layernorm.weight"),
+                    p + "post_attention_layernorm.weight",
+                )

@@ -1,0 +1,74 @@
+"""Tokenizer and chat template through transformers, plus incremental detokenization."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from workers.model.config import CheckpointError
+from workers.model.loader import ModelSource
+
+
+class Tokenizer:
+    def __init__(self, src: ModelSource) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub at run time
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        from transformers import AutoTokenizer
+
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        try:
+            if src.is_gguf:
+                tok = AutoTokenizer.from_pretrained(str(src.folder), gguf_file=src.path.name)
+            else:
+                tok = AutoTokenizer.from_pretrained(str(src.folder))
+        except Exception as e:
+            raise CheckpointError(f"{src.path}: tokenizer could not be loaded ({e})") from e
+        self.hf = tok
+        self.eos_token_id = tok.eos_token_id
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode_chat(self, text: str) -> list[int]:
+        """One user message through the chat template, ready for the assistant's turn."""
+        if not self.has_chat_template:
+            return self.encode(text)
+        ids = self.hf.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas without splitting multi-byte characters.
+
+    It re-decodes a short window of recent tokens and holds a delta back while it ends in the
+    replacement character, which means a character's bytes are still arriving.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0  # start of the decode window
+        self._read = 0  # tokens already turned into text
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        before = self.tok.decode(self.ids[self._prefix : self._read])
+        after = self.tok.decode(self.ids[self._prefix :])
+        if after.endswith("\ufffd") or len(after) < len(before):
+            return ""
+        delta = after[len(before) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += delta
+        return delta
