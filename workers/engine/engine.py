@@ -33,7 +33,8 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
-    # Set only for requests with stop strings: the text they were cut at.
+    new_logprobs: list[float] | None = None  # only for requests that asked for logprobs
+    # Set only for requests with stop strings: their text so far, cut at any stop string.
     text: str | None = None
 
 
@@ -150,8 +151,9 @@ class LLMEngine:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             if req.is_finished:
                 del self._stops[req.request_id]
+        logprobs = req.output_logprobs[-len(new_ids):] if req.sampling.logprobs else None
         return RequestOutput(req.request_id, new_ids, req.is_finished, req.finish_reason,
-                             req.error, text)
+                             req.error, logprobs, text)
 
     def _fail(self, request_id: str, message: str) -> RequestOutput:
         self._stops.pop(request_id, None)

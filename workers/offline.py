@@ -1,0 +1,153 @@
+"""The offline interface: run a list of requests through one in-process engine.
+
+    llm = LLM(EngineConfig(dtype="bfloat16"))
+    for c in llm.generate([GenerationRequest(prompt="Hi!", sampling=SamplingParams(max_tokens=32))]):
+        print(c.text, c.finish_reason)
+
+Times are seconds since the request was submitted: all requests are submitted at the start.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from workers.engine.config import EngineConfig
+from workers.engine.engine import LLMEngine, RequestOutput
+from workers.engine.request import SamplingParams
+from workers.model.tokenizer import IncrementalDetokenizer
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A text prompt (sent as one user message through the chat template) or raw token ids."""
+
+    prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.prompt_ids is None):
+            raise ValueError("give exactly one of prompt and prompt_ids")
+        if self.prompt is not None and not self.prompt.strip():
+            raise ValueError("prompt is empty")
+
+
+@dataclass
+class Completion:
+    index: int
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    logprobs: list[float] | None = None
+
+    def to_json(self) -> dict:
+        d = {
+            "index": self.index,
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "ttft_s": self.ttft_s,
+            "e2e_s": self.e2e_s,
+        }
+        if self.error:
+            d["error"] = self.error
+        if self.logprobs is not None:
+            d["logprobs"] = self.logprobs
+        return d
+
+
+class TextStream:
+    """Text deltas for one request. With stop strings, the last few characters are held back
+    until they cannot be the start of a stop string, so nothing streamed is later cut."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...] = ()) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.holdback = max((len(s) for s in stops), default=1) - 1
+        self.emitted = 0
+
+    def push(self, out: RequestOutput) -> str:
+        if out.text is not None:  # the engine's text, already cut at any stop string
+            full = out.text
+        else:
+            self.detok.push(out.new_token_ids)
+            full = self.detok.text
+        visible = len(full) if out.finished else len(full) - self.holdback
+        if visible <= self.emitted:
+            return ""
+        delta = full[self.emitted : visible]
+        self.emitted = visible
+        return delta
+
+
+DeltaCallback = Callable[[int, str, bool], None]  # (index, text delta, finished)
+
+
+class LLM:
+    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+        if config is None:
+            config = EngineConfig(**overrides)
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+
+    def encode(self, req: GenerationRequest) -> list[int]:
+        if req.prompt_ids is not None:
+            return list(req.prompt_ids)
+        return self.tokenizer.encode_chat(req.prompt)
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        on_delta: DeltaCallback | None = None,
+        on_progress: Callable[[int, int, int], None] | None = None,
+    ) -> list[Completion]:
+        """Runs every request to its end. Invalid requests end with finish_reason "error"
+        and do not disturb the rest. on_progress gets (finished, total, output tokens)."""
+        engine = self.engine
+        t0 = time.perf_counter()
+        done: list[Completion] = []
+        by_id: dict[str, Completion] = {}
+        streams: dict[str, TextStream] = {}
+        for i, r in enumerate(requests):
+            try:
+                ids = self.encode(r)
+                rid = engine.add_request(ids, r.sampling, priority=r.priority)
+            except ValueError as e:
+                c = Completion(i, f"rejected-{i}", [], finish_reason="error", error=str(e), e2e_s=0.0)
+                done.append(c)
+                if on_delta:
+                    on_delta(i, "", True)
+                continue
+            c = Completion(i, rid, ids, logprobs=[] if r.sampling.logprobs else None)
+            by_id[rid] = c
+            if on_delta:
+                streams[rid] = TextStream(self.tokenizer, r.sampling.stop)
+        generated = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                c = by_id[out.request_id]
+                now = time.perf_counter() - t0
+                if out.new_token_ids and c.ttft_s is None:
+                    c.ttft_s = now
+                c.token_ids += out.new_token_ids
+                if c.logprobs is not None and out.new_logprobs:
+                    c.logprobs += out.new_logprobs
+                generated += len(out.new_token_ids)
+                if on_delta:
+                    on_delta(c.index, streams[out.request_id].push(out), out.finished)
+                if out.finished:
+                    c.e2e_s = now
+                    c.finish_reason = out.finish_reason.value
+                    c.error = out.error
+                    c.text = out.text if out.text is not None else self.tokenizer.decode(c.token_ids)
+                    done.append(c)
+                    if on_progress:
+                        on_progress(len(done), len(requests), generated)
+        return sorted(done, key=lambda c: c.index)
