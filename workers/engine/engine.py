@@ -20,6 +20,7 @@ from workers.engine.model_runner import ModelRunner
 from workers.engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.stop_strings import StopStringMatcher
+from workers.model.llama import LlamaForCausalLM
 from workers.model.loader import build_model, resolve_model
 from workers.model.tokenizer import Tokenizer
 
@@ -39,14 +40,22 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer | None = None,
+        model: LlamaForCausalLM | None = None,
+    ) -> None:
+        """`tokenizer` and `model` may be passed in to share one loaded checkpoint between
+        engines (each engine still owns its own KV cache); they must match `config.model`."""
         self.config = config
         if config.num_threads and config.device == "cpu":
             torch.set_num_threads(config.num_threads)
         self.source = resolve_model(config.model)
         self.tokenizer = tokenizer or Tokenizer(self.source)
         device = torch.device(config.device)
-        model = build_model(self.source, getattr(torch, config.dtype), device)
+        if model is None:
+            model = build_model(self.source, getattr(torch, config.dtype), device)
         self.model_config = model.cfg
         self.max_model_len = min(
             config.max_model_len or model.cfg.max_position_embeddings,
@@ -128,14 +137,15 @@ class LLMEngine:
     # -- the loop body ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
+        failed = [self._ended_with_error(rid, err) for rid, err in out.failed]
+        if not out.scheduled:
+            return failed
         try:
             sampled = self.runner.execute(out)
         except Exception as e:  # one bad step must not take the engine down with it
             log.exception("model step failed; failing its %d requests", len(out.scheduled))
             return [self._fail(s.request_id, f"{type(e).__name__}: {e}") for s in out.scheduled]
-        results = []
+        results = failed
         for req, new_ids in self.scheduler.update_from_output(out, sampled):
             results.append(self._output(req, new_ids))
         return results
@@ -156,8 +166,11 @@ class LLMEngine:
                              req.error, logprobs, text)
 
     def _fail(self, request_id: str, message: str) -> RequestOutput:
-        self._stops.pop(request_id, None)
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR, message)
+        return self._ended_with_error(request_id, message)
+
+    def _ended_with_error(self, request_id: str, message: str) -> RequestOutput:
+        self._stops.pop(request_id, None)
         return RequestOutput(request_id, [], True, FinishReason.ERROR, message)
 
     def _blocks_for_memory(self, model) -> int:

@@ -13,7 +13,6 @@ The scheduler is pure bookkeeping: it never touches tensors.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 from workers.engine.block_pool import BlockPool
@@ -55,7 +54,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self._seq = itertools.count()
+        self.num_preemptions = 0  # lifetime count, for metrics and tests
 
     # -- requests in and out --------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -101,6 +100,13 @@ class Scheduler:
             if n == 0:
                 continue
             while not self.kv.can_allocate(req, n):
+                if len(self.running) == 1:
+                    # Alone and still out of blocks: the cache can never hold this request.
+                    error = (f"request needs more than the {self.pool.num_blocks} KV blocks of "
+                             "this worker's cache")
+                    self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, error)
+                    out.failed.append((req.request_id, error))
+                    break
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
@@ -187,6 +193,7 @@ class Scheduler:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.waiting.append(req)
 

@@ -32,6 +32,7 @@ class SchedulerOutput:
     decodes: list[ScheduledRequest] = field(default_factory=list)  # one token each
     prefills: list[ScheduledRequest] = field(default_factory=list)  # prompt chunks
     preempted_ids: list[str] = field(default_factory=list)  # lost their blocks this step
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (id, error) ended unscheduled
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:
@@ -48,7 +49,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
+        return not self.decodes and not self.prefills and not self.failed
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,193 @@
+from tests.unit.sched_helpers import (
+    EOS,
+    assert_no_leak,
+    make_request,
+    make_scheduler,
+    run_step,
+)
+from workers.engine.request import RequestStatus
+
+
+def test_new_requests_join_a_running_batch():
+    s = make_scheduler()
+    s.add_request(make_request("a", max_tokens=5))
+    out, _ = run_step(s)
+    assert [r.request_id for r in out.prefills] == ["a"]
+    s.add_request(make_request("b", max_tokens=5))
+    out, _ = run_step(s)
+    assert [r.request_id for r in out.decodes] == ["a"]
+    assert [r.request_id for r in out.prefills] == ["b"]
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_samples_only_at_its_end():
+    s = make_scheduler(prefill_chunk_size=4)
+    s.add_request(make_request("a", prompt_len=10))
+    chunks = []
+    for _ in range(3):
+        out, results = run_step(s)
+        chunks.append((out.prefills[0].num_tokens, out.prefills[0].sample))
+    assert chunks == [(4, False), (4, False), (2, True)]
+    assert s.requests["a"].output_token_ids == [7]
+
+
+def test_token_budget_is_respected_and_decodes_go_first():
+    s = make_scheduler(max_num_batched_tokens=8, prefill_chunk_size=8)
+    s.add_request(make_request("a", prompt_len=3))
+    run_step(s)
+    s.add_request(make_request("b", prompt_len=20))
+    out, _ = run_step(s)
+    assert out.num_batched_tokens == 8
+    assert out.decodes[0].request_id == "a" and out.prefills[0].num_tokens == 7
+
+
+def test_unchunked_prompt_waits_for_a_step_with_room():
+    s = make_scheduler(max_num_batched_tokens=10, enable_chunked_prefill=False)
+    s.add_request(make_request("a", prompt_len=3))
+    s.add_request(make_request("b", prompt_len=9))
+    out, _ = run_step(s)
+    assert [r.request_id for r in out.prefills] == ["a"]  # b's 9 tokens exceed 10 - 3
+    out, _ = run_step(s)
+    assert [r.request_id for r in out.prefills] == ["b"] and out.prefills[0].num_tokens == 9
+
+
+def test_finish_reasons_eos_length_stop_token_and_ignore_eos():
+    s = make_scheduler()
+    s.add_request(make_request("eos", max_tokens=10))
+    s.add_request(make_request("stop", max_tokens=10, stop_token_ids=(EOS,)))
+    s.add_request(make_request("ign", max_tokens=2, ignore_eos=True))
+    out, results = run_step(s, token=EOS)
+    status = {r.request_id: r.status for r, _ in results}
+    assert status["eos"] == RequestStatus.FINISHED_STOPPED
+    assert status["stop"] == RequestStatus.FINISHED_STOPPED
+    assert status["ign"] == RequestStatus.RUNNING
+    _, results = run_step(s, token=EOS)
+    (req, new), = results
+    assert req.request_id == "ign" and new == [EOS] and req.output_token_ids == [EOS, EOS]
+    assert req.status == RequestStatus.FINISHED_LENGTH
+    assert_no_leak(s)
+
+
+def test_preemption_takes_the_newest_and_it_resumes_with_its_outputs():
+    # 6 blocks of 4 tokens; two requests of 8-token prompts grow until one must be preempted.
+    s = make_scheduler(num_blocks=6, block_size=4)
+    s.add_request(make_request("old", prompt_len=8, max_tokens=12))
+    s.add_request(make_request("new", prompt_len=8, max_tokens=12))
+    preempted = []
+    for _ in range(60):
+        out, _ = run_step(s)
+        preempted += out.preempted_ids
+        if not s.has_unfinished():
+            break
+    assert preempted and preempted[0] == "new"
+    assert not s.has_unfinished()
+    assert_no_leak(s)
+
+
+def test_max_tokens_ends_with_length():
+    s = make_scheduler()
+    s.add_request(make_request("len", max_tokens=2))
+    run_step(s)
+    _, [(req, _)] = run_step(s)
+    assert req.status == RequestStatus.FINISHED_LENGTH and req.output_token_ids == [7, 7]
+
+
+def test_max_model_len_ends_with_length():
+    s = make_scheduler(max_model_len=8)
+    s.add_request(make_request("ctx", prompt_len=6, max_tokens=100))
+    for _ in range(5):
+        run_step(s)
+    assert not s.has_unfinished()
+
+
+def test_preempted_request_recomputes_prompt_and_outputs():
+    s = make_scheduler(num_blocks=4, block_size=4, prefix_caching=False)
+    s.add_request(make_request("a", prompt_len=4, max_tokens=20))
+    s.add_request(make_request("b", prompt_len=4, max_tokens=20))
+    for _ in range(50):
+        out, _ = run_step(s)
+        if out.preempted_ids:
+            break
+    victim = s.requests[out.preempted_ids[0]]
+    produced = victim.num_output_tokens
+    assert victim.num_computed_tokens == 0 and produced > 0
+    # When it runs again, its first chunk covers prompt and earlier outputs.
+    for _ in range(50):
+        out, _ = run_step(s)
+        mine = [r for r in out.scheduled if r.request_id == victim.request_id]
+        if mine:
+            assert mine[0].start_position == 0
+            assert mine[0].token_ids == victim.all_token_ids[: mine[0].num_tokens]
+            break
+
+
+def test_cancel_frees_blocks_at_once():
+    s = make_scheduler(num_blocks=8)
+    s.add_request(make_request("a", prompt_len=12))
+    run_step(s)
+    assert s.pool.num_free_blocks < 8
+    s.finish_request("a", RequestStatus.FINISHED_CANCELLED)
+    assert s.pool.num_free_blocks == 8 and not s.has_unfinished()
+
+
+def test_cancel_during_a_step_drops_its_output():
+    s = make_scheduler()
+    s.add_request(make_request("a"))
+    out = s.schedule()
+    s.finish_request("a", RequestStatus.FINISHED_CANCELLED)
+    assert s.update_from_output(out, []) == []
+    assert_no_leak(s)
+
+
+def test_static_batching_admits_a_new_group_only_when_the_last_is_done():
+    s = make_scheduler(max_num_seqs=2, batching="static")
+    s.add_request(make_request("a", max_tokens=1))
+    s.add_request(make_request("b", max_tokens=4))
+    s.add_request(make_request("c", max_tokens=1))
+    out, _ = run_step(s)
+    assert {r.request_id for r in out.prefills} == {"a", "b"}
+    for _ in range(3):
+        out, _ = run_step(s)
+        assert [r.request_id for r in out.scheduled] == ["b"]  # c waits for the group
+    out, _ = run_step(s)
+    assert [r.request_id for r in out.scheduled] == ["c"]
+
+
+def test_priority_policy_admits_urgent_first_and_preempts_least_urgent():
+    s = make_scheduler(max_num_seqs=1, policy="priority")
+    s.add_request(make_request("low", priority=5))
+    s.add_request(make_request("high", priority=-1))
+    out, _ = run_step(s)
+    assert [r.request_id for r in out.scheduled] == ["high"]
+
+
+def test_max_num_seqs_caps_the_batch():
+    s = make_scheduler(max_num_seqs=2)
+    for i in range(4):
+        s.add_request(make_request(f"r{i}"))
+    out, _ = run_step(s)
+    assert len(out.scheduled) == 2 and len(s.waiting) == 2
+
+
+def test_prefix_cache_hit_skips_computed_blocks():
+    s = make_scheduler(block_size=4)
+    s.add_request(make_request("a", prompt_len=10, max_tokens=1))
+    run_step(s)
+    s.add_request(make_request("b", prompt_len=10, max_tokens=1))
+    out, _ = run_step(s)
+    (p,) = out.prefills
+    assert p.start_position == 8 and p.num_tokens == 2
+    assert s.pool.num_prefix_hits == 2
+
+
+def test_request_that_outgrows_the_whole_cache_ends_with_an_error():
+    s = make_scheduler(num_blocks=3, block_size=4)
+    s.add_request(make_request("big", prompt_len=8, max_tokens=50))
+    for _ in range(20):
+        out = s.schedule()
+        if out.failed:
+            break
+        from workers.engine.scheduler_output import SampledToken
+
+        s.update_from_output(out, [SampledToken(r.request_id, 7) for r in out.scheduled if r.sample])
+    assert out.failed and out.failed[0][0] == "big" and "3 KV blocks" in out.failed[0][1]
+    assert not s.has_unfinished() and s.pool.num_free_blocks == 3
