@@ -24,7 +24,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="a .gguf file or an HF folder (default: SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="float32", choices=DTYPES)
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    g.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flash-attn"))
+    g.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "torch-sdpa", "flash-attn"))
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-gb", type=float, default=1.0)

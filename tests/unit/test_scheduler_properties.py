@@ -44,7 +44,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     ops=ops,
     num_blocks=st.integers(4, 40),

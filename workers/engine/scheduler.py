@@ -123,14 +123,17 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
-            cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
-            num_cached = len(cached) * self.pool.block_size
-            n = self._num_new_tokens(req, budget, skip=num_cached)
-            if n == 0 or not self.kv.can_allocate(req, n, cached, admitting=True):
+            n = self._admit(req, budget)
+            if n == 0:
+                if not self.running and req is self.waiting[0]:
+                    # Nothing running will ever free a block: this request cannot fit.
+                    self.waiting.pop(0)
+                    error = (f"request needs more than the {self.pool.num_blocks} KV blocks of "
+                             "this worker's cache")
+                    self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, error)
+                    out.failed.append((req.request_id, error))
+                    continue
                 break
-            self.kv.allocate(req, n, cached)
-            req.num_computed_tokens += num_cached
-            req.num_cached_tokens = num_cached
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -164,6 +167,22 @@ class Scheduler:
         return results
 
     # -- helpers --------------------------------------------------------------------------
+    def _admit(self, req: Request, budget: int) -> int:
+        """Reserve blocks for a waiting request's first chunk; returns its size, 0 if it
+        does not fit. Prefix hits are used when they fit, else the prefix is recomputed."""
+        # The watermark only protects running sequences; with none, the whole pool is fair game.
+        admitting = bool(self.running)
+        cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+        for hits in ([cached, []] if cached else [[]]):
+            num_cached = len(hits) * self.pool.block_size
+            n = self._num_new_tokens(req, budget, skip=num_cached)
+            if n and self.kv.can_allocate(req, n, hits, admitting=admitting):
+                self.kv.allocate(req, n, hits)
+                req.num_computed_tokens += num_cached
+                req.num_cached_tokens = num_cached
+                return n
+        return 0
+
     def _num_new_tokens(self, req: Request, budget: int, skip: int = 0) -> int:
         remaining = req.num_tokens - req.num_computed_tokens - skip
         if remaining > 1:  # a prompt (or recompute) chunk

@@ -6,7 +6,7 @@ import torch
 
 from workers.model.attention.base import AttentionBackend
 
-BACKENDS = ("auto", "torch", "flash-attn")
+BACKENDS = ("auto", "torch", "torch-sdpa", "flash-attn")
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
@@ -22,4 +22,5 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
         return FlashAttentionBackend()
     from workers.model.attention.torch_backend import TorchAttentionBackend
 
-    return TorchAttentionBackend()
+    # "torch-sdpa" keeps decode attention in SDPA even where the CPU kernel is available.
+    return TorchAttentionBackend(device, use_kernel=name == "torch")

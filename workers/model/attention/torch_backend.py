@@ -1,7 +1,8 @@
 """Attention with torch's scaled_dot_product_attention over the paged cache (CPU, any device).
 
-Decodes are batched: their blocks are gathered into a padded `[B, KVH, L, D]` view, and the
-query heads of each KV group ride in SDPA's query-length axis, so GQA needs no head repeat.
+Decodes are batched. On the CPU a compiled kernel (cpu_kernels.py) reads their blocks in
+place; otherwise their blocks are gathered into a padded `[B, KVH, L, D]` view for SDPA, with
+the query heads of each KV group in SDPA's query-length axis, so GQA needs no head repeat.
 Prefill chunks run one sequence each; a chunk with no cached prefix attends to its own fresh
 K/V, causally, without touching the cache.
 """
@@ -16,6 +17,15 @@ from workers.model.attention.base import AttentionBackend, AttentionMetadata, Pr
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self, device: torch.device, use_kernel: bool = True) -> None:
+        self.kernel = None
+        if use_kernel and device.type == "cpu":
+            from workers.model.attention.cpu_kernels import paged_decode_kernel
+
+            self.kernel = paged_decode_kernel()
+        if self.kernel is not None:
+            self.name = "torch+cpu-kernel"
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -33,6 +43,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, group: int, scale: float):
         tables = meta.decode_block_tables
+        if self.kernel is not None:
+            return self.kernel.paged_decode_attention(
+                q, k_cache, v_cache, tables, meta.decode_context_lens, scale)
         batch, max_blocks = tables.shape
         _, block_size, kvh, d = k_cache.shape
         length = max_blocks * block_size

