@@ -29,7 +29,7 @@ def heavy_tailed(rng: random.Random, median: float, sigma: float, lo: int, hi: i
     return max(lo, min(hi, int(rng.lognormvariate(0.0, sigma) * median)))
 
 
-def offline_default(n: int = 96, seed: int = 0) -> list[dict]:
+def offline_default(n: int = 256, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     rows = []
     for _ in range(n):

@@ -98,17 +98,21 @@ def run_hf_continuous(job: dict) -> list[dict]:
     manager.start()
     try:
         def once(requests):
-            ids = [manager.add_request(r["prompt_ids"], max_new_tokens=r["max_tokens"])
-                   for r in requests]
+            pending = {manager.add_request(r["prompt_ids"], max_new_tokens=r["max_tokens"])
+                       for r in requests}
             tokens = 0
-            for rid in ids:
-                while True:
-                    out = manager.get_result(request_id=rid, timeout=600)
-                    if out is None:
-                        raise RuntimeError("transformers' manager produced no result in 600 s")
-                    if out.is_finished():
-                        tokens += len(out.generated_tokens)
-                        break
+            deadline = time.monotonic() + 3600
+            while pending and time.monotonic() < deadline:
+                out = manager.get_result(timeout=5)
+                if out is not None and out.is_finished() and out.request_id in pending:
+                    if out.error:
+                        raise RuntimeError(f"transformers' manager failed a request: {out.error}")
+                    pending.discard(out.request_id)
+                    tokens += len(out.generated_tokens)
+                elif out is None and not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching thread stopped")
+            if pending:
+                raise RuntimeError(f"{len(pending)} requests unfinished after an hour")
             return tokens
 
         return timed(job, once)
@@ -196,7 +200,7 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default=str(ROOT / "benchmarks/workloads/offline_default.jsonl"))
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--limit", type=int, default=None, help="first N requests only")

@@ -1,6 +1,9 @@
 """The `tandem` command line.
 
+    tandem up [--config F] [--model M] [--prefill N] [--decode M] [--mode ...] [--port P] ...
     tandem generate --offline [--model M] [--dtype D] [--requests FILE.jsonl] [--json] [PROMPT]
+    tandem generate --address HOST:PORT [--requests FILE.jsonl] [--concurrency N] [--json] [PROMPT]
+    tandem status --address HOST:PORT [--json]
 """
 
 from __future__ import annotations
@@ -108,16 +111,22 @@ def _progress(done: int, total: int, tokens: int, t0: list[float]) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    if not args.offline:
-        print("tandem generate: --offline is required (the cluster client comes with "
-              "--address once a cluster is up)", file=sys.stderr)
+    if bool(args.offline) == bool(args.address):
+        print("tandem generate: give --offline (in-process engine) or --address HOST:PORT",
+              file=sys.stderr)
         return 2
     try:
         requests = _requests(args)
-        config = engine_config(args)
+        config = engine_config(args) if args.offline else None
     except ValueError as e:
         print(f"tandem generate: {e}", file=sys.stderr)
         return 2
+    if args.address:
+        import asyncio
+
+        from cluster.cli_remote import generate_remote
+
+        return asyncio.run(generate_remote(args, requests))
     from workers.offline import LLM
 
     print("[tandem] loading model...", file=sys.stderr, flush=True)
@@ -144,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate completions")
     gen.add_argument("prompt", nargs="?", help="one prompt, sent as a user chat message")
     gen.add_argument("--offline", action="store_true", help="run an in-process engine")
+    gen.add_argument("--address", help="a running cluster's router, HOST:PORT")
+    gen.add_argument("--concurrency", type=int, default=16, help="with --address")
+    gen.add_argument("--timeout", type=float, default=600, help="seconds per request")
+    gen.add_argument("--token", help="bearer token, if the cluster requires one")
     gen.add_argument("--requests", help="JSONL file, one request per line")
     gen.add_argument("--json", action="store_true", help="one JSON line per request, in order")
     gen.add_argument("--max-tokens", type=int, default=256, help="for a PROMPT (default 256)")
@@ -151,6 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="for a PROMPT")
     add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
+    from cluster.cli_remote import cmd_status
+    from cluster.cli_up import add_up_parser
+
+    add_up_parser(sub)
+    st = sub.add_parser("status", help="per-worker state of a running cluster")
+    st.add_argument("--address", required=True)
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--token")
+    st.set_defaults(func=cmd_status)
     return parser
 
 

@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from workers.engine.config import EngineConfig
-from workers.engine.engine import LLMEngine, RequestOutput
+from workers.engine.engine import LLMEngine
 from workers.engine.request import SamplingParams
-from workers.model.tokenizer import IncrementalDetokenizer
+from workers.model.tokenizer import TextStream
 
 
 @dataclass(frozen=True)
@@ -62,29 +62,6 @@ class Completion:
         if self.logprobs is not None:
             d["logprobs"] = self.logprobs
         return d
-
-
-class TextStream:
-    """Text deltas for one request. With stop strings, the last few characters are held back
-    until they cannot be the start of a stop string, so nothing streamed is later cut."""
-
-    def __init__(self, tokenizer, stops: tuple[str, ...] = ()) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer)
-        self.holdback = max((len(s) for s in stops), default=1) - 1
-        self.emitted = 0
-
-    def push(self, out: RequestOutput) -> str:
-        if out.text is not None:  # the engine's text, already cut at any stop string
-            full = out.text
-        else:
-            self.detok.push(out.new_token_ids)
-            full = self.detok.text
-        visible = len(full) if out.finished else len(full) - self.holdback
-        if visible <= self.emitted:
-            return ""
-        delta = full[self.emitted : visible]
-        self.emitted = visible
-        return delta
 
 
 DeltaCallback = Callable[[int, str, bool], None]  # (index, text delta, finished)
@@ -141,7 +118,8 @@ class LLM:
                     c.logprobs += out.new_logprobs
                 generated += len(out.new_token_ids)
                 if on_delta:
-                    on_delta(c.index, streams[out.request_id].push(out), out.finished)
+                    on_delta(c.index, streams[out.request_id].push(out.new_token_ids, out.text,
+                                                                  out.finished), out.finished)
                 if out.finished:
                     c.e2e_s = now
                     c.finish_reason = out.finish_reason.value

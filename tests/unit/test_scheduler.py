@@ -146,10 +146,15 @@ def test_static_batching_admits_a_new_group_only_when_the_last_is_done():
     out, _ = run_step(s)
     assert {r.request_id for r in out.prefills} == {"a", "b"}
     for _ in range(3):
-        out, _ = run_step(s)
-        assert [r.request_id for r in out.scheduled] == ["b"]  # c waits for the group
+        assert "a" in s.kv.tables  # a has ended, but its blocks stay until the group ends
+        out, results = run_step(s)
+        # c waits for the group; a still occupies its slot as padding.
+        assert [r.request_id for r in out.scheduled] == ["b", "a"]
+        assert [r.request_id for r, _ in results] == ["b"]
+    assert "a" not in s.kv.tables and not s.padding
     out, _ = run_step(s)
     assert [r.request_id for r in out.scheduled] == ["c"]
+    assert not s.padding
 
 
 def test_priority_policy_admits_urgent_first_and_preempts_least_urgent():

@@ -20,8 +20,10 @@ def check_invariants(s):
     for block in s.pool.blocks:
         assert block.ref_count == holders[block.block_id], f"block {block.block_id} miscounted"
     assert s.pool.num_free_blocks == sum(1 for b in s.pool.blocks if b.ref_count == 0)
+    padding = {r.request_id for r in s.padding}
     for rid in s.kv.tables:
-        assert rid in s.requests, "a finished request still holds blocks"
+        assert rid in s.requests or rid in padding, "a finished request still holds blocks"
+    assert not padding or s.running, "padding outlived its static group"
     for req in s.running:
         need = -(-req.num_computed_tokens // BLOCK)
         assert len(s.kv.tables[req.request_id]) >= need

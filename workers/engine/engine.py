@@ -126,9 +126,49 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens, more than max_num_batched_tokens="
                              f"{cfg.max_num_batched_tokens} with chunked prefill off")
 
+    # -- disaggregation ---------------------------------------------------------------------
+    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int] | None:
+        """Blocks for a prompt whose KV a prefill worker will send; None if they don't fit."""
+        return self.scheduler.reserve(request_id, num_prompt_tokens)
+
+    def release(self, request_id: str) -> bool:
+        return self.scheduler.release(request_id)
+
+    def add_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token: int,
+        sampling: SamplingParams,
+        seed: int,
+        priority: int = 0,
+        first_logprob: float | None = None,
+    ) -> RequestOutput | None:
+        """Admit a request prefilled elsewhere (its KV already written into its reserved
+        blocks). Returns its final output if the first token already ends it."""
+        req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                      sampling=sampling, eos_token_ids=self.eos_token_ids, priority=priority,
+                      seed=seed, output_token_ids=[first_token])
+        if first_logprob is not None and sampling.logprobs:
+            req.output_logprobs.append(first_logprob)
+        self.scheduler.add_prefilled(req)
+        if sampling.stop:
+            self._stops[request_id] = StopStringMatcher(self.tokenizer, sampling.stop)
+            if self._stops[request_id].push([first_token]) is not None:
+                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        status = self.scheduler.check_stop(req, first_token)
+        if status is not None and not req.is_finished:
+            self.scheduler.finish_request(request_id, status)
+        if req.is_finished:
+            self._stops.pop(request_id, None)
+            return RequestOutput(request_id, [], True, req.finish_reason, req.error)
+        return None
+
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its blocks are free when this returns."""
         self._stops.pop(request_id, None)
+        if self.scheduler.release(request_id):
+            return True
         return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_CANCELLED) is not None
 
     def has_unfinished(self) -> bool:

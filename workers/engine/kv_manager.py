@@ -65,12 +65,23 @@ class KVCacheManager:
             self.pool.cache(table[i], hashes[i])
         self._published[req.request_id] = full
 
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Hold blocks for tokens whose KV will be written from outside (a KV transfer)."""
+        n = self.blocks_needed(num_tokens)
+        if n + self.watermark_blocks > self.pool.num_free_blocks:
+            return None
+        self.tables[request_id] = self.pool.allocate(n)
+        return list(self.tables[request_id])
+
     def free(self, req: Request) -> None:
-        table = self.tables.pop(req.request_id, None)
+        self.free_id(req.request_id)
+
+    def free_id(self, request_id: str) -> None:
+        table = self.tables.pop(request_id, None)
         if table:
             self.pool.free(table)
-        self._published.pop(req.request_id, None)
-        self._hashes.pop(req.request_id, None)
+        self._published.pop(request_id, None)
+        self._hashes.pop(request_id, None)
 
     def _cost(self, req: Request, num_new_tokens: int, cached: list[int]) -> int:
         table = self.tables.get(req.request_id, [])

@@ -8,9 +8,9 @@ the KV transfer read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from kv_transfer.layout import KVLayout
 
 from workers.engine.sampler import SamplingTensors, sample
 from workers.engine.scheduler_output import SampledToken, SchedulerOutput
@@ -18,23 +18,7 @@ from workers.model.attention import AttentionMetadata, PrefillSlice, select_back
 from workers.model.llama import LlamaForCausalLM
 
 
-@dataclass(frozen=True)
-class CacheLayout:
-    """What a KV block holds; two caches can exchange blocks only if their layouts are equal."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: str
-
-    @property
-    def bytes_per_block(self) -> int:
-        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
-
-
-def allocate_kv_cache(layout: CacheLayout, num_blocks: int, device: torch.device):
+def allocate_kv_cache(layout: KVLayout, num_blocks: int, device: torch.device):
     shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
     dtype = getattr(torch, layout.dtype)
     return [
@@ -59,7 +43,7 @@ class ModelRunner:
         self.backend = select_backend(attention_backend, device)
         self.backend.check_block_size(block_size)
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        self.layout = CacheLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype)
+        self.layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype)
         self.kv_caches = allocate_kv_cache(self.layout, num_blocks, device)
 
     @torch.inference_mode()
@@ -95,6 +79,20 @@ class ModelRunner:
             SampledToken(s.request_id, tok, lp if s.sampling.logprobs else None)
             for s, tok, lp in zip(samplers, ids, lps)
         ]
+
+    def export_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """Copies of these blocks, one `[2, n, block_size, kv_heads, dim]` tensor per layer:
+        the payload of a KV transfer. Copies, so the blocks may be reused at once."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return [torch.stack((k[idx], v[idx])) for k, v in self.kv_caches]
+
+    def import_blocks(self, block_ids: list[int], layers: list[torch.Tensor]) -> None:
+        """Write a transfer's payload into reserved blocks."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for (k, v), layer in zip(self.kv_caches, layers):
+            layer = layer.to(self.device)
+            k.index_copy_(0, idx, layer[0])
+            v.index_copy_(0, idx, layer[1])
 
     def _slots(self, blocks: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size

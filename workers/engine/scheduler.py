@@ -7,12 +7,16 @@ Each step:
 2. if nothing was preempted, waiting requests are admitted, in policy order, while their
    first chunk's blocks fit and the budget and `max_num_seqs` allow.
 
-Static batching admits a new group only when the previous one has entirely finished.
+Static batching is request-level scheduling as in HF `generate` or FasterTransformer: a group
+is admitted only when the previous one has entirely finished, and a member that ends early
+keeps its batch slot as padding (its last position is recomputed each step and the token
+discarded) until the group's longest member ends; its blocks are freed with the group.
 The scheduler is pure bookkeeping: it never touches tensors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from workers.engine.block_pool import BlockPool
@@ -55,6 +59,10 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0  # lifetime count, for metrics and tests
+        self.padding: list[Request] = []  # static batching: ended members still in the group
+        self.reserved: set[str] = set()  # ids holding blocks for a KV transfer not yet admitted
+        # Called with (request, block ids) as a request ends, before its blocks are freed.
+        self.before_free: Callable[[Request, list[int]], None] | None = None
 
     # -- requests in and out --------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -72,13 +80,60 @@ class Scheduler:
             return None
         req.status = status
         req.error = error
-        if req in self.running:
+        was_running = req in self.running
+        if was_running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
+        if self.before_free is not None:
+            self.before_free(req, self.kv.block_table(request_id))
+        natural = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+        if self.config.batching == "static" and was_running and natural and self.running:
+            self.padding.append(req)  # keeps its slot and blocks until the group ends
+        else:
+            self.kv.free(req)
+        if self.padding and not self.running:
+            for ghost in self.padding:
+                self.kv.free(ghost)
+            self.padding.clear()
         self.policy.forget(req)
         return req
+
+    # -- disaggregation: blocks reserved ahead of a KV transfer ---------------------------------
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Hold blocks for a prompt whose KV will arrive from a prefill worker; None when
+        they do not fit now. Decode reserves first, so a transfer never lands in a full cache."""
+        if request_id in self.requests or request_id in self.reserved:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        blocks = self.kv.reserve(request_id, num_tokens)
+        if blocks is not None:
+            self.reserved.add(request_id)
+        return blocks
+
+    def release(self, request_id: str) -> bool:
+        """Give back a reservation whose transfer failed or was cancelled."""
+        if request_id not in self.reserved:
+            return False
+        self.reserved.discard(request_id)
+        self.kv.free_id(request_id)
+        return True
+
+    def add_prefilled(self, req: Request) -> None:
+        """Admit a request whose prompt KV fills its reserved blocks and whose first output
+        token is already sampled: it joins the running batch at its next decode."""
+        if req.request_id not in self.reserved:
+            raise ValueError(f"request {req.request_id!r} has no reserved blocks")
+        assert req.output_token_ids, "a prefilled request carries its first token"
+        self.reserved.discard(req.request_id)
+        self.requests[req.request_id] = req
+        self.policy.register(req)
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self.kv.publish(req)
+
+    def check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        return self._check_stop(req, token)
 
     @property
     def num_unfinished(self) -> int:
@@ -116,6 +171,11 @@ class Scheduler:
                 self.kv.allocate(req, n)
                 budget -= n
                 self._emit(out, req, n)
+        for ghost in self.padding:
+            if budget <= 0:
+                break
+            budget -= 1
+            self._emit(out, ghost, 1, padding=True)
         if out.preempted_ids:
             admit = False
         self.waiting.sort(key=self.policy.key)
@@ -192,15 +252,17 @@ class Scheduler:
                 return 0  # unchunked prompts wait for a step with room for all of them
         return max(0, min(remaining, budget))
 
-    def _emit(self, out: SchedulerOutput, req: Request, n: int) -> None:
-        start = req.num_computed_tokens
+    def _emit(self, out: SchedulerOutput, req: Request, n: int, padding: bool = False) -> None:
+        # A padding row recomputes the ended member's last computed position (its slot is
+        # allocated); the sampled token is dropped.
+        start = req.num_tokens - 2 if padding else req.num_computed_tokens
         tokens = req.all_token_ids[start : start + n]
         sched = ScheduledRequest(
             request_id=req.request_id,
             token_ids=tokens,
             start_position=start,
             block_ids=list(self.kv.block_table(req.request_id)),
-            sample=start + n == req.num_tokens,
+            sample=start + n >= req.num_tokens,
             sampling=req.sampling,
             seed=req.seed,
             num_output_tokens=req.num_output_tokens,

@@ -63,6 +63,20 @@ def read_checkpoint(src: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tens
     return load_hf_folder(src.path)
 
 
+def read_model_config(src: ModelSource) -> ModelConfig:
+    """The architecture alone, without reading weights (for the router)."""
+    if src.is_gguf:
+        from workers.model.gguf_loader import read_gguf_config
+
+        return read_gguf_config(src.path)
+    import json
+
+    path = src.path / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (a model folder needs config.json)")
+    return ModelConfig.from_hf(json.loads(path.read_text()), source=str(path))
+
+
 def build_model(
     src: ModelSource, dtype: torch.dtype, device: torch.device, max_positions: int | None = None
 ) -> LlamaForCausalLM:

@@ -72,3 +72,27 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self.ids)
         self.text += delta
         return delta
+
+
+class TextStream:
+    """Text deltas for one request's stream. `cut_text`, when given, is the engine's text so far
+    already cut at a stop string; with stop strings, the last few characters are held back until
+    they can no longer begin a stop string, so nothing streamed is ever taken back."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...] = ()) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.holdback = max((len(s) for s in stops), default=1) - 1
+        self.emitted = 0
+
+    def push(self, new_ids: list[int], cut_text: str | None, finished: bool) -> str:
+        if cut_text is not None:
+            full = cut_text
+        else:
+            self.detok.push(new_ids)
+            full = self.detok.text
+        visible = len(full) if finished else len(full) - self.holdback
+        if visible <= self.emitted:
+            return ""
+        delta = full[self.emitted : visible]
+        self.emitted = visible
+        return delta

@@ -1,0 +1,77 @@
+"""`tandem generate --address` and `tandem status`: clients of a running cluster."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+
+async def generate_remote(args: argparse.Namespace, requests) -> int:
+    from router.client import TandemClient, to_proto
+
+    client = TandemClient(args.address, args.token)
+    sem = asyncio.Semaphore(max(1, args.concurrency))
+    results: dict[int, object] = {}
+    printed = 0
+
+    async def one(i, req):
+        async with sem:
+            results[i] = await client.generate(to_proto(req), timeout_s=args.timeout)
+
+    def flush() -> None:
+        nonlocal printed
+        while printed in results:
+            r = results[printed]
+            if args.json:
+                print(json.dumps(r.completion(printed).to_json()), flush=True)
+            else:
+                if len(requests) > 1:
+                    print(f"=== request {printed} ===")
+                print(r.text if r.status == "OK" else f"[{r.status}] {r.error}", flush=True)
+            printed += 1
+
+    try:
+        tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(requests)]
+        for t in asyncio.as_completed(tasks):
+            await t
+            flush()
+    finally:
+        await client.close()
+    bad = [r for r in results.values() if r.status != "OK" or r.finish_reason == "error"]
+    for r in bad:
+        print(f"tandem generate: {r.request_id or 'request'}: {r.status}: {r.error}",
+              file=sys.stderr)
+    return 1 if bad else 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    return asyncio.run(_status(args))
+
+
+async def _status(args) -> int:
+    import grpc
+
+    from router.client import TandemClient, status_to_dict
+
+    client = TandemClient(args.address, args.token)
+    try:
+        s = status_to_dict(await client.status())
+    except grpc.aio.AioRpcError as e:
+        print(f"tandem status: {args.address}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    finally:
+        await client.close()
+    if args.json:
+        print(json.dumps(s))
+        return 0
+    r = s["router"]
+    print(f"router: mode={r['mode']} queue_depth={r['queue_depth']} in_flight={r['in_flight']}")
+    for pool in ("prefill", "decode"):
+        for w in s[pool]:
+            print(f"{w['name']:<12} {'alive' if w['alive'] else 'DEAD':<5} pid={w['pid']:<7} "
+                  f"node={w['node']:<15} kv={w['kv_blocks_free']}/{w['kv_blocks_total']} "
+                  f"running={w['running']} waiting={w['waiting']}"
+                  f"{' draining' if w['draining'] else ''}")
+    return 0

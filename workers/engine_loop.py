@@ -1,0 +1,82 @@
+"""The one thread that drives a worker's engine.
+
+    loop: apply queued commands -> step -> hand the step's outputs on -> (idle: wait for work)
+
+Actor methods run on other threads; they never touch the engine directly but submit closures
+with `call()`, which run between steps and return through a Future.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from workers.engine.engine import LLMEngine, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_outputs: Callable[[list[RequestOutput]], None],
+        name: str = "engine-loop",
+    ) -> None:
+        self.engine = engine
+        self.on_outputs = on_outputs
+        self._commands: queue.Queue = queue.Queue()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.steps = 0
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopped.set()
+        self._commands.put(None)
+        self._thread.join(timeout_s)
+
+    def call(self, fn: Callable, *args, **kwargs) -> Future:
+        """Run fn(*args, **kwargs) on the loop thread between two steps."""
+        fut: Future = Future()
+        if self._stopped.is_set():
+            fut.set_exception(RuntimeError("engine loop is stopped"))
+            return fut
+        self._commands.put((fut, fn, args, kwargs))
+        return fut
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._apply(block=not self.engine.has_unfinished())
+            if self._stopped.is_set() or not self.engine.has_unfinished():
+                continue
+            outputs = self.engine.step()
+            self.steps += 1
+            if outputs:
+                try:
+                    self.on_outputs(outputs)
+                except Exception:  # a broken consumer must not stop generation
+                    log.exception("output handler failed")
+
+    def _apply(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fut, fn, args, kwargs = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args, **kwargs))
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(e)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
