@@ -63,16 +63,16 @@ class PairGroup(KVChannel):
         return "nccl" if self.device.type == "cuda" else "gloo"
 
     def send(self, tensors, timeout_s):
-        self._run([self.pg.send([t], self.peer, 0) for t in tensors], timeout_s, "send")
+        self._run(lambda: [self.pg.send([t], self.peer, 0) for t in tensors], timeout_s, "send")
 
     def recv(self, tensors, timeout_s):
-        self._run([self.pg.recv([t], self.peer, 0) for t in tensors], timeout_s, "recv")
+        self._run(lambda: [self.pg.recv([t], self.peer, 0) for t in tensors], timeout_s, "recv")
 
-    def _run(self, works, timeout_s: float, what: str) -> None:
+    def _run(self, post, timeout_s: float, what: str) -> None:
         if self._closed:
             raise TransferError(f"pair group {self.prefix} is closed")
         try:
-            for w in works:
+            for w in post():
                 if not w.wait(datetime.timedelta(seconds=timeout_s)):
                     raise TimeoutError(f"{what} did not complete")
         except Exception as e:

@@ -1,0 +1,122 @@
+"""The handoff protocol over the in-process channel and over real gloo pair groups (two
+threads of this process, a real TCPStore on loopback)."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kv_transfer.channel import recv_kv, send_kv
+from kv_transfer.inprocess import InProcessChannel
+from kv_transfer.layout import KVLayout, LayoutMismatch
+from kv_transfer.protocol import TransferDescriptor, TransferError
+from kv_transfer.torch_dist import PairGroup, store_client, store_server
+
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
+
+
+def payload(desc):
+    torch.manual_seed(1)
+    return [torch.randn(LAYOUT.layer_shape(desc.num_blocks)) for _ in range(LAYOUT.num_layers)]
+
+
+def test_descriptor_round_trip_and_validation():
+    d = TransferDescriptor("req-é-1", LAYOUT, 3, 10, 4242)
+    assert TransferDescriptor.decode(d.encode(), LAYOUT) == d
+    with pytest.raises(ValueError, match="10 tokens need 3 blocks"):
+        TransferDescriptor("r", LAYOUT, 2, 10, 1)
+    other = KVLayout(3, 2, 8, 16, "bfloat16")
+    with pytest.raises(TransferError, match="block_size: 16 here, 4 there"):
+        TransferDescriptor.decode(d.encode(), other)
+
+
+def test_layout_mismatch_names_every_field():
+    with pytest.raises(LayoutMismatch) as e:
+        LAYOUT.check_compatible(KVLayout(30, 3, 64, 4, "bfloat16"))
+    msg = str(e.value)
+    assert "num_layers: 3 here, 30 there" in msg and "dtype: 'float32' here, 'bfloat16'" in msg
+
+
+def test_in_process_round_trip_and_refusal():
+    a, b = InProcessChannel.pair()
+    desc = TransferDescriptor("r1", LAYOUT, 2, 7, 5)
+    layers = payload(desc)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(out=recv_kv(b, LAYOUT, 5)))
+    t.start()
+    send_kv(a, desc, layers, 5)
+    t.join(5)
+    got_desc, got = result["out"]
+    assert got_desc == desc and all(torch.equal(x, y) for x, y in zip(got, layers))
+    # A receiver that does not expect the request refuses it; the sender hears so.
+    t = threading.Thread(target=lambda: pytest.raises(TransferError, recv_kv, b, LAYOUT, 5,
+                                                      accept=lambda d: False))
+    t.start()
+    with pytest.raises(TransferError, match="refused"):
+        send_kv(a, desc, layers, 5)
+    t.join(5)
+
+
+def test_in_process_timeout():
+    a, _ = InProcessChannel.pair()
+    with pytest.raises(TransferError, match="no data from the peer"):
+        a.recv([torch.zeros(1)], 0.2)
+
+
+def _pair(store_port, server, name, timeout=5.0):
+    """Both ranks of one pair group, built concurrently as two workers would."""
+    groups = {}
+
+    def rank1():
+        groups[1] = PairGroup(server, name, 1, torch.device("cpu"), "127.0.0.1", timeout)
+
+    t = threading.Thread(target=rank1)
+    t.start()
+    groups[0] = PairGroup(store_client("127.0.0.1", store_port, timeout), name, 0,
+                          torch.device("cpu"), "127.0.0.1", timeout)
+    t.join(timeout + 5)
+    return groups[0], groups[1]
+
+
+def test_gloo_pair_moves_kv_and_survives_a_dead_peer():
+    server = store_server("127.0.0.1")
+    sender, receiver = _pair(server.port, server, "pair/p0/1")
+    assert sender.backend == "gloo"
+    desc = TransferDescriptor("r1", LAYOUT, 3, 12, 9)
+    layers = payload(desc)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(out=recv_kv(receiver, LAYOUT, 5)))
+    t.start()
+    send_kv(sender, desc, layers, 5)
+    t.join(10)
+    got_desc, got = result["out"]
+    assert got_desc == desc and all(torch.equal(x, y) for x, y in zip(got, layers))
+
+    # The peer goes away: the send fails within its timeout instead of hanging.
+    receiver.close()
+    t0 = time.monotonic()
+    with pytest.raises(TransferError):
+        send_kv(sender, desc, layers, 1.0)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(TransferError, match="closed"):
+        sender.send([torch.zeros(1)], 1.0)
+
+    # The next generation of the pair forms afresh and works.
+    sender2, receiver2 = _pair(server.port, server, "pair/p0/2")
+    t = threading.Thread(target=lambda: result.update(out=recv_kv(receiver2, LAYOUT, 5)))
+    t.start()
+    send_kv(sender2, desc, layers, 5)
+    t.join(10)
+    assert result["out"][0] == desc
+    sender2.close()
+    receiver2.close()
+
+
+def test_rendezvous_with_nobody_times_out():
+    server = store_server("127.0.0.1")
+    t0 = time.monotonic()
+    with pytest.raises(TransferError, match="did not form"):
+        PairGroup(store_client("127.0.0.1", server.port, 1.0), "pair/lonely/1", 0,
+                  torch.device("cpu"), "127.0.0.1", 1.0)
+    assert time.monotonic() - t0 < 15
