@@ -8,6 +8,7 @@ import logging
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from google.protobuf.unknown_fields import UnknownFieldSet
 from grpc_reflection.v1alpha import reflection
 
 from router.api import tandem_pb2 as pb
@@ -27,6 +28,52 @@ def _check_auth(context, token: str | None) -> None:
                           "(send metadata authorization: Bearer <token>)")
 
 
+class Malformed:
+    """A request whose bytes did not parse; answered with INVALID_ARGUMENT, not INTERNAL."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def _parse_strict(cls):
+    def parse(data: bytes):
+        try:
+            msg = cls.FromString(data)
+        except Exception as e:
+            return Malformed(f"malformed {cls.__name__}: {e}")
+        unknown = sorted({f.field_number for f in UnknownFieldSet(msg)})
+        if unknown:
+            # Known numbers with the wrong wire type land here too: refuse rather than
+            # silently dropping what the client meant.
+            return Malformed(f"{cls.__name__} has unknown or wrongly typed field number(s) "
+                             f"{unknown}; check the client against proto/tandem.proto")
+        return msg
+
+    return parse
+
+
+def _add_generation(servicer: GenerationService, server) -> None:
+    """Like the generated registration, but with strict request parsing."""
+    rpcs = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_parse_strict(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Cancel": grpc.unary_unary_rpc_method_handler(
+            servicer.Cancel, request_deserializer=_parse_strict(pb.CancelRequest),
+            response_serializer=pb.CancelResponse.SerializeToString),
+        "Resume": grpc.unary_stream_rpc_method_handler(
+            servicer.Resume, request_deserializer=_parse_strict(pb.ResumeRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("tandem.v1.Generation", rpcs),))
+
+
+def _reject_malformed(request) -> None:
+    if isinstance(request, Malformed):
+        raise RouterError("INVALID_ARGUMENT", request.why)
+
+
 async def _abort(context, e: RouterError) -> None:
     await context.abort(getattr(grpc.StatusCode, e.code), e.message)
 
@@ -42,6 +89,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def Generate(self, request, context):
         try:
             _check_auth(context, self.auth_token)
+            _reject_malformed(request)
             try:
                 adm = validate(request, self.router.tokenizer, self.max_model_len, self.vocab_size)
             except (InvalidRequest, ValueError) as e:
@@ -66,6 +114,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def Cancel(self, request, context):
         try:
             _check_auth(context, self.auth_token)
+            _reject_malformed(request)
         except RouterError as e:
             await _abort(context, e)
         return pb.CancelResponse(found=await self.router.cancel(request.request_id))
@@ -75,6 +124,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         a router restart comes with failure replay."""
         try:
             _check_auth(context, self.auth_token)
+            _reject_malformed(request)
             state = self.router.state
             if state is None:
                 raise RouterError("UNAVAILABLE", "Resume needs the Redis state store")
@@ -147,8 +197,7 @@ class AdminService(pb_grpc.AdminServicer):
 async def start_server(router: Router, port: int, max_model_len: int, vocab_size: int,
                        mode: str, auth_token: str | None = None, host: str = "127.0.0.1"):
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
-    pb_grpc.add_GenerationServicer_to_server(
-        GenerationService(router, max_model_len, vocab_size, auth_token), server)
+    _add_generation(GenerationService(router, max_model_len, vocab_size, auth_token), server)
     pb_grpc.add_AdminServicer_to_server(AdminService(router, mode, auth_token), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
