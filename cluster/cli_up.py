@@ -55,14 +55,15 @@ async def _serve(cfg) -> int:
     cluster = Cluster(cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
         await cluster.start(progress=say)
     except Exception as e:
         say(f"start failed: {e}")
         await cluster.stop()
         return 1
+    # After ray.init, which installs handlers of its own that would kill us mid-shutdown.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     print(f"tandem serving on {cluster.address} ({cfg.mode}); Ctrl-C to stop", flush=True)
     await stop.wait()
     say("shutting down")

@@ -3,6 +3,7 @@ for clusters started without --redis-url."""
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import socket
 import subprocess
@@ -44,6 +45,7 @@ class EmbeddedRedis:
              "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
              "--protected-mode", "yes"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        atexit.register(self.stop)  # never leave a server behind, whatever ends this process
         client = redis.Redis(port=self.port, socket_timeout=1, socket_connect_timeout=1)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

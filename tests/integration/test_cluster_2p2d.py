@@ -1,0 +1,45 @@
+"""Two prefill and two decode workers, then the same router in colocated mode."""
+
+import pytest
+
+from cluster.config import ClusterConfig
+from tests.integration.harness import CHATS, ClusterHarness, greedy, offline_reference
+
+pytestmark = pytest.mark.integration
+
+REQUESTS = [greedy(c, 20 + 3 * i) for i, c in enumerate(CHATS * 3)]  # 24 concurrent clients
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return offline_reference(REQUESTS)
+
+
+@pytest.mark.parametrize("mode, prefill, decode", [("disaggregated", 2, 2), ("colocated", 0, 2)])
+def test_greedy_streams_equal_the_offline_engine(tmp_path, reference, mode, prefill, decode):
+    h = ClusterHarness(ClusterConfig(port=0, dashboard=False, num_kv_blocks=256, mode=mode,
+                                     prefill=max(prefill, 1), decode=decode,
+                                     cpus_per_worker=0.5, data_dir=str(tmp_path)))
+    try:
+        results = h.generate_many(REQUESTS)
+        for r, want in zip(results, reference):
+            assert r.status == "OK", r.error
+            assert r.token_ids == want
+        router = h.cluster.router
+        s = h.wait_all_free()
+        assert len(s["decode"]) == 2 and len(s["prefill"]) == prefill
+        for w in s["prefill"] + s["decode"]:
+            assert w["kv_blocks_free"] == w["kv_blocks_total"], w
+        assert s["router"]["mode"] == mode and router.queue_depth == 0
+        # Both decode workers carried requests.
+        from cluster.state import StateStore
+
+        store: StateStore = router.state
+        used = {store.r.hget(store.key(r.request_id), "decode" if mode == "disaggregated"
+                             else "worker") for r in results}
+        assert used == {"decode-0", "decode-1"}
+        if mode == "disaggregated":
+            used_p = {store.r.hget(store.key(r.request_id), "prefill") for r in results}
+            assert used_p == {"prefill-0", "prefill-1"}
+    finally:
+        h.stop()
