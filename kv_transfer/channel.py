@@ -23,25 +23,60 @@ from kv_transfer.protocol import (
 
 class KVChannel(ABC):
     @abstractmethod
-    def send(self, tensors: list[torch.Tensor], timeout_s: float) -> None:
-        """Send tensors in order; returns once they have been handed to the peer."""
+    def post_send(self, tensor: torch.Tensor) -> object:
+        """Start sending one tensor; returns a handle for `wait`. Sends arrive in post order."""
 
     @abstractmethod
-    def recv(self, tensors: list[torch.Tensor], timeout_s: float) -> None:
-        """Fill preallocated tensors, in order, from the peer."""
+    def post_recv(self, tensor: torch.Tensor) -> object:
+        """Start filling one preallocated tensor from the peer; returns a handle for `wait`."""
+
+    @abstractmethod
+    def wait(self, handle: object, timeout_s: float) -> None:
+        """Block until a posted operation completes; TransferError past the timeout."""
 
     @abstractmethod
     def close(self) -> None:
         """Release the link; safe to call twice and after errors."""
 
+    def send(self, tensors: list[torch.Tensor], timeout_s: float) -> None:
+        for h in [self.post_send(t) for t in tensors]:
+            self.wait(h, timeout_s)
 
-def send_kv(channel: KVChannel, desc: TransferDescriptor, layers: list[torch.Tensor],
-            timeout_s: float) -> None:
-    """Sender side: header, per-layer payload, then wait for the receiver's ack."""
-    if len(layers) != desc.layout.num_layers:
-        raise ValueError(f"{len(layers)} layers given, layout has {desc.layout.num_layers}")
+    def recv(self, tensors: list[torch.Tensor], timeout_s: float) -> None:
+        for h in [self.post_recv(t) for t in tensors]:
+            self.wait(h, timeout_s)
+
+
+class StagingBuffers:
+    """Reusable receive buffers, one per layer, grown on demand: allocating (and faulting in)
+    fresh memory for every transfer costs more than the transfer itself."""
+
+    def __init__(self) -> None:
+        self._flat: list[torch.Tensor] = []
+
+    def get(self, layout: KVLayout, num_blocks: int, device) -> list[torch.Tensor]:
+        shape = layout.layer_shape(num_blocks)
+        numel = 1
+        for d in shape:
+            numel *= d
+        if (len(self._flat) != layout.num_layers or self._flat[0].numel() < numel
+                or self._flat[0].dtype != layout.torch_dtype):
+            self._flat = [torch.empty(numel, dtype=layout.torch_dtype, device=device)
+                          for _ in range(layout.num_layers)]
+        return [f[:numel].view(shape) for f in self._flat]
+
+
+def send_kv(channel: KVChannel, desc: TransferDescriptor, layers, timeout_s: float) -> None:
+    """Sender side: header, per-layer payload, then wait for the receiver's ack.
+
+    `layers` may be a lazy iterable: each layer is posted as soon as it is produced, so
+    gathering layer i+1 out of the cache overlaps with sending layer i."""
     channel.send([desc.encode()], timeout_s)
-    channel.send([t.contiguous() for t in layers], timeout_s)
+    handles = [channel.post_send(t.contiguous()) for t in layers]
+    if len(handles) != desc.layout.num_layers:
+        raise ValueError(f"{len(handles)} layers given, layout has {desc.layout.num_layers}")
+    for h in handles:
+        channel.wait(h, timeout_s)
     ack = torch.zeros(1, dtype=torch.int64)
     channel.recv([ack], timeout_s)
     if ack.item() != ACK_OK:
@@ -49,16 +84,28 @@ def send_kv(channel: KVChannel, desc: TransferDescriptor, layers: list[torch.Ten
 
 
 def recv_kv(channel: KVChannel, layout: KVLayout, timeout_s: float,
-            device: torch.device | str = "cpu", accept=None) -> tuple[TransferDescriptor, list]:
+            device: torch.device | str = "cpu", accept=None, staging: StagingBuffers | None = None,
+            on_layer=None) -> tuple[TransferDescriptor, list]:
     """Receiver side: read the header, check it against our layout (and `accept(desc)`, which
-    may refuse a request it does not expect), read the layers, ack."""
+    may refuse a request it does not expect), read the layers, ack.
+
+    With `on_layer(i, tensor)`, each layer is handed over as soon as it lands (to be copied
+    into the reserved blocks) while later layers are still arriving. With `staging`, the
+    layers are views of reused buffers, valid only until the next transfer."""
     header = empty_header().to(device)
     channel.recv([header], timeout_s)
     desc = TransferDescriptor.decode(header.cpu(), layout)
-    layers = [torch.empty(layout.layer_shape(desc.num_blocks), dtype=layout.torch_dtype,
-                          device=device) for _ in range(layout.num_layers)]
-    channel.recv(layers, timeout_s)
+    if staging is not None:
+        layers = staging.get(layout, desc.num_blocks, device)
+    else:
+        layers = [torch.empty(layout.layer_shape(desc.num_blocks), dtype=layout.torch_dtype,
+                              device=device) for _ in range(layout.num_layers)]
     ok = accept is None or accept(desc)
+    handles = [channel.post_recv(t) for t in layers]
+    for i, h in enumerate(handles):
+        channel.wait(h, timeout_s)
+        if ok and on_layer is not None:
+            on_layer(i, layers[i])
     channel.send([torch.tensor([ACK_OK if ok else ACK_REFUSED], dtype=torch.int64,
                                device=device)], timeout_s)
     if not ok:

@@ -20,27 +20,31 @@ class InProcessChannel(KVChannel):
         a, b = queue.Queue(), queue.Queue()
         return cls(a, b), cls(b, a)
 
-    def send(self, tensors, timeout_s):
+    def post_send(self, tensor):
         if self._closed:
             raise TransferError("channel closed")
-        for t in tensors:
-            self._out.put(t.detach().clone())
+        self._out.put(tensor.detach().clone())
+        return None
 
-    def recv(self, tensors, timeout_s):
+    def post_recv(self, tensor):
         if self._closed:
             raise TransferError("channel closed")
-        for t in tensors:
-            try:
-                got = self._in.get(timeout=timeout_s)
-            except queue.Empty:
-                self._closed = True
-                raise TransferError(f"no data from the peer within {timeout_s:.1f} s") from None
-            if got.shape != t.shape or got.dtype != t.dtype:
-                self._closed = True
-                raise TransferError(f"peer sent {tuple(got.shape)} {got.dtype}, "
-                                    f"expected {tuple(t.shape)} {t.dtype}")
-            with torch.no_grad():
-                t.copy_(got)
+        return tensor  # filled in order by wait()
+
+    def wait(self, handle, timeout_s):
+        if handle is None:
+            return
+        try:
+            got = self._in.get(timeout=timeout_s)
+        except queue.Empty:
+            self._closed = True
+            raise TransferError(f"no data from the peer within {timeout_s:.1f} s") from None
+        if got.shape != handle.shape or got.dtype != handle.dtype:
+            self._closed = True
+            raise TransferError(f"peer sent {tuple(got.shape)} {got.dtype}, "
+                                f"expected {tuple(handle.shape)} {handle.dtype}")
+        with torch.no_grad():
+            handle.copy_(got)
 
     def close(self):
         self._closed = True

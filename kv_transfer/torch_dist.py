@@ -62,19 +62,25 @@ class PairGroup(KVChannel):
     def backend(self) -> str:
         return "nccl" if self.device.type == "cuda" else "gloo"
 
-    def send(self, tensors, timeout_s):
-        self._run(lambda: [self.pg.send([t], self.peer, 0) for t in tensors], timeout_s, "send")
+    def post_send(self, tensor):
+        return self._post(lambda: self.pg.send([tensor], self.peer, 0), "send")
 
-    def recv(self, tensors, timeout_s):
-        self._run(lambda: [self.pg.recv([t], self.peer, 0) for t in tensors], timeout_s, "recv")
+    def post_recv(self, tensor):
+        return self._post(lambda: self.pg.recv([tensor], self.peer, 0), "recv")
 
-    def _run(self, post, timeout_s: float, what: str) -> None:
+    def wait(self, handle, timeout_s):
+        try:
+            if not handle.wait(datetime.timedelta(seconds=timeout_s)):
+                raise TimeoutError("did not complete")
+        except Exception as e:
+            self.close()
+            raise TransferError(f"transfer on pair {self.prefix} failed: {e}") from e
+
+    def _post(self, fn, what: str):
         if self._closed:
             raise TransferError(f"pair group {self.prefix} is closed")
         try:
-            for w in post():
-                if not w.wait(datetime.timedelta(seconds=timeout_s)):
-                    raise TimeoutError(f"{what} did not complete")
+            return fn()
         except Exception as e:
             self.close()
             raise TransferError(f"{what} on pair {self.prefix} failed: {e}") from e

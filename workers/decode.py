@@ -19,9 +19,7 @@ import logging
 import threading
 import time
 
-import torch
-
-from kv_transfer.channel import recv_kv
+from kv_transfer.channel import StagingBuffers, recv_kv
 from kv_transfer.layout import KVLayout, LayoutMismatch
 from kv_transfer.protocol import TransferError
 from kv_transfer.torch_dist import PairGroup, store_server
@@ -44,6 +42,11 @@ class DecodeWorker:
         self.transfer_timeout_s = transfer_timeout_s
         self.store = store_server(transfer_host)
         self.pairs: dict[str, tuple[int, PairGroup]] = {}
+        self.staging: dict[str, StagingBuffers] = {}  # per pair: receive buffers, reused
+        # Blocks being written by a transfer must not be freed under it: a cancel that
+        # arrives mid-transfer is applied once the transfer ends.
+        self._receiving: set[str] = set()
+        self._cancel_after_receive: set[str] = set()
         self._pair_lock = threading.Lock()
         self._outputs: list[dict] = []
         self._cond = threading.Condition()
@@ -110,28 +113,44 @@ class DecodeWorker:
                                     if rid in self.engine.scheduler.reserved else None).result(10)
             if blocks is None:
                 raise TransferError(f"{rid} has no reservation on {self.name}")
+            with self._pair_lock:
+                self._receiving.add(rid)
             t0 = time.perf_counter()
-            desc, layers = recv_kv(current[1], self.layout, self.transfer_timeout_s, self.device,
-                                   accept=lambda d: d.request_id == rid
-                                   and d.num_blocks <= len(blocks))
+            runner = self.engine.runner
+            # Each layer goes straight into the reserved blocks as it lands; nothing reads
+            # reserved blocks until the request is admitted below.
+            desc, _ = recv_kv(current[1], self.layout, self.transfer_timeout_s, self.device,
+                              accept=lambda d: d.request_id == rid and d.num_blocks <= len(blocks),
+                              staging=self.staging.setdefault(prefill, StagingBuffers()),
+                              on_layer=lambda i, t: runner.import_layer(i, blocks[: t.shape[1]], t))
             seconds = time.perf_counter() - t0
-            out = self.loop.call(self._admit, admission, blocks[: desc.num_blocks], layers,
-                                 desc.first_token).result(10)
+            if self._done_receiving(rid):
+                self.loop.call(self.engine.release, rid).result(10)
+                return {"ok": True, "seconds": seconds, "finished": True}
+            out = self.loop.call(self._admit, admission, desc.first_token).result(10)
             return {"ok": True, "seconds": seconds, "finished": out is not None}
         except Exception as e:
             message = f"KV transfer {prefill} -> {self.name} failed: {e}"
             log.warning("%s", message)
             if current is not None and isinstance(e, TransferError):
                 self._drop_pair(prefill, current[0])
+            self._done_receiving(rid)
             self.loop.call(self._fail_reserved, rid, message)
             return {"ok": False, "error": message}
 
-    def _admit(self, admission: dict, blocks: list[int], layers: list[torch.Tensor],
-               first_token: int) -> RequestOutput | None:
+    def _done_receiving(self, rid: str) -> bool:
+        """The transfer for rid is over; True if it was cancelled meanwhile."""
+        with self._pair_lock:
+            self._receiving.discard(rid)
+            if rid in self._cancel_after_receive:
+                self._cancel_after_receive.discard(rid)
+                return True
+            return False
+
+    def _admit(self, admission: dict, first_token: int) -> RequestOutput | None:
         rid = admission["request_id"]
         if rid not in self.engine.scheduler.reserved:
             return None  # cancelled while the KV was in flight
-        self.engine.runner.import_blocks(blocks, layers)
         if self.state is not None:
             self.state.append_tokens({rid: [first_token]})
         self._tokens_logged[rid] = 1
@@ -166,6 +185,10 @@ class DecodeWorker:
                        job.get("priority", 0)).result(10)
 
     def cancel(self, request_id: str) -> bool:
+        with self._pair_lock:
+            if request_id in self._receiving:
+                self._cancel_after_receive.add(request_id)
+                return True
         return self.loop.call(self.engine.abort, request_id).result(10)
 
     # -- outputs ------------------------------------------------------------------------------

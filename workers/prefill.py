@@ -21,8 +21,6 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import torch
-
 from kv_transfer.channel import send_kv
 from kv_transfer.protocol import TransferDescriptor, TransferError
 from kv_transfer.torch_dist import PairGroup, store_client
@@ -37,7 +35,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Push:
     job: dict
-    layers: list[torch.Tensor]
+    blocks: list[int]  # held in the pool until the push ends
     desc: TransferDescriptor
     first_logprob: float | None = None
     done: Future = field(default_factory=Future)
@@ -109,16 +107,18 @@ class PrefillWorker:
 
     # -- on the loop thread ---------------------------------------------------------------
     def _export(self, req: Request, block_ids: list[int]) -> None:
-        """Copy a finished prefill's prompt blocks out before they return to the pool."""
+        """As a prefill ends, hold its prompt blocks for the push (they are read layer by
+        layer while sending, then released into the prefix cache)."""
         job = self.jobs.pop(req.request_id, None)
         if job is None or req.status != RequestStatus.FINISHED_LENGTH:
             return
         n = -(-req.num_prompt_tokens // self.layout.block_size)
-        layers = self.engine.runner.export_blocks(block_ids[:n])
+        blocks = list(block_ids[:n])
+        self.engine.pool.hold(blocks)
         desc = TransferDescriptor(req.request_id, self.layout, n, req.num_prompt_tokens,
                                   req.output_token_ids[0])
         lp = req.output_logprobs[0] if req.output_logprobs else None
-        push = _Push(job, layers, desc, lp)
+        push = _Push(job, blocks, desc, lp)
         self.pushes[req.request_id] = push
         self._sender(job["decode"]).submit(push)
 
@@ -177,41 +177,51 @@ class _Sender:
             self.group.close()
 
     def _run(self) -> None:
+        while (push := self.queue.get()) is not None:
+            try:
+                self._push(push)
+            finally:
+                self.owner.loop.call(self.owner.engine.pool.free, push.blocks)
+
+    def _push(self, push: _Push) -> None:
         import ray
 
-        while (push := self.queue.get()) is not None:
-            rid = push.desc.request_id
-            handle = self.decode["handle"]
-            timeout = self.owner.transfer_timeout_s
-            if push.job.get("cancelled"):
-                push.done.set_result({"ok": False, "error": "cancelled"})
-                self.owner.pushes.pop(rid, None)
-                continue
-            try:
-                t0 = time.perf_counter()
-                self._ensure_group(handle, timeout)
-                admission = {"request_id": rid, "prompt_ids": push.job["prompt_ids"],
-                             "sampling": push.job["sampling"], "seed": push.job["seed"],
-                             "priority": push.job.get("priority", 0),
-                             "first_logprob": push.first_logprob}
-                ref = handle.receive_kv.remote(self.owner.name, self.generation, admission)
-                send_kv(self.group, push.desc, push.layers, timeout)
-                result = ray.get(ref, timeout=timeout + 5)
-                if not result.get("ok"):
-                    raise TransferError(result.get("error", "receiver failed"))
-                result["send_seconds"] = time.perf_counter() - t0
-                push.done.set_result(result)
-            except Exception as e:
-                message = f"KV push {self.owner.name} -> {self.decode['name']} failed: {e}"
-                log.warning("%s (request %s)", message, rid)
-                if self.group is not None:
-                    self.group.close()
-                    self.group = None  # rebuilt, with a new generation, at the next push
-                try:  # the decode worker frees the reservation and ends the request
-                    ray.get(handle.fail_request.remote(rid, message), timeout=timeout)
-                except Exception:
-                    log.warning("could not tell %s that %s failed", self.decode["name"], rid)
-                push.done.set_result({"ok": False, "error": message})
+        rid = push.desc.request_id
+        handle = self.decode["handle"]
+        timeout = self.owner.transfer_timeout_s
+        if push.job.get("cancelled"):
+            push.done.set_result({"ok": False, "error": "cancelled"})
+            self.owner.pushes.pop(rid, None)
+            return
+        try:
+            t0 = time.perf_counter()
+            self._ensure_group(handle, timeout)
+            admission = {"request_id": rid, "prompt_ids": push.job["prompt_ids"],
+                         "sampling": push.job["sampling"], "seed": push.job["seed"],
+                         "priority": push.job.get("priority", 0),
+                         "first_logprob": push.first_logprob}
+            ref = handle.receive_kv.remote(self.owner.name, self.generation, admission)
+            runner = self.owner.engine.runner
+            # Gathered layer by layer while earlier layers are on the wire.
+            layers = (runner.export_layer(i, push.blocks)
+                      for i in range(self.owner.layout.num_layers))
+            send_kv(self.group, push.desc, layers, timeout)
+            result = ray.get(ref, timeout=timeout + 5)
+            if not result.get("ok"):
+                raise TransferError(result.get("error", "receiver failed"))
+            result["send_seconds"] = time.perf_counter() - t0
+            push.done.set_result(result)
+        except Exception as e:
+            message = f"KV push {self.owner.name} -> {self.decode['name']} failed: {e}"
+            log.warning("%s (request %s)", message, rid)
+            if self.group is not None:
+                self.group.close()
+                self.group = None  # rebuilt, with a new generation, at the next push
+            try:  # the decode worker frees the reservation and ends the request
+                ray.get(handle.fail_request.remote(rid, message), timeout=timeout)
+            except Exception:
+                log.warning("could not tell %s that %s failed", self.decode["name"], rid)
+            push.done.set_result({"ok": False, "error": message})
 
     def _ensure_group(self, handle, timeout: float) -> None:
         import ray

@@ -111,6 +111,14 @@ class BlockPool:
             block.ref_count += 1
         self.num_prefix_hits += len(block_ids)
 
+    def hold(self, block_ids: Sequence[int]) -> None:
+        """Take an extra reference on blocks someone already holds (e.g. while their KV is
+        being sent); give it back with `free`."""
+        for block_id in block_ids:
+            if self.blocks[block_id].ref_count <= 0:
+                raise RuntimeError(f"block {block_id} is free; hold only held blocks")
+            self.blocks[block_id].ref_count += 1
+
     def cache(self, block_id: int, block_hash: bytes) -> None:
         """Publish a full, computed block under its chained hash."""
         if not self.enable_prefix_caching:

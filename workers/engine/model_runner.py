@@ -80,19 +80,30 @@ class ModelRunner:
             for s, tok, lp in zip(samplers, ids, lps)
         ]
 
-    def export_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
-        """Copies of these blocks, one `[2, n, block_size, kv_heads, dim]` tensor per layer:
-        the payload of a KV transfer. Copies, so the blocks may be reused at once."""
+    def export_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
+        """One layer of these blocks as a `[2, n, block_size, kv_heads, dim]` tensor: the
+        payload of a KV transfer. The caller must hold the blocks while this runs."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return [torch.stack((k[idx], v[idx])) for k, v in self.kv_caches]
+        k, v = self.kv_caches[layer]
+        out = torch.empty((2, len(block_ids), *k.shape[1:]), dtype=k.dtype, device=self.device)
+        torch.index_select(k, 0, idx, out=out[0])
+        torch.index_select(v, 0, idx, out=out[1])
+        return out
+
+    def export_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+        return [self.export_layer(i, block_ids) for i in range(len(self.kv_caches))]
+
+    def import_layer(self, layer: int, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write one layer of a transfer's payload into reserved blocks."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        k, v = self.kv_caches[layer]
+        data = data.to(self.device)
+        k.index_copy_(0, idx, data[0])
+        v.index_copy_(0, idx, data[1])
 
     def import_blocks(self, block_ids: list[int], layers: list[torch.Tensor]) -> None:
-        """Write a transfer's payload into reserved blocks."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for (k, v), layer in zip(self.kv_caches, layers):
-            layer = layer.to(self.device)
-            k.index_copy_(0, idx, layer[0])
-            v.index_copy_(0, idx, layer[1])
+        for i, data in enumerate(layers):
+            self.import_layer(i, block_ids, data)
 
     def _slots(self, blocks: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
