@@ -22,7 +22,8 @@ _SAMPLING_FIELDS = {
     "stop_token_ids": list,
     "logprobs": bool,
 }
-_FIELDS = {"prompt", "prompt_ids", "priority", *_SAMPLING_FIELDS}
+# "kind" labels a request for benchmarks (e.g. chat / long) and is otherwise ignored.
+_FIELDS = {"prompt", "prompt_ids", "priority", "kind", *_SAMPLING_FIELDS}
 
 
 def parse_request(obj: object, where: str = "request") -> GenerationRequest:

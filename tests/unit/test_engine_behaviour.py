@@ -91,8 +91,7 @@ def test_invalid_request_in_a_batch_does_not_disturb_the_rest(tiny_llama_dir):
     assert a.ttft_s is not None and a.e2e_s >= a.ttft_s
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cpu_decode_kernel_matches_sdpa(tiny_llama_dir, dtype):
+def test_cpu_decode_kernel_matches_sdpa(tiny_llama_dir, dtype="float32"):
     from workers.model.attention.cpu_kernels import paged_decode_kernel
 
     if paged_decode_kernel() is None:
@@ -105,13 +104,11 @@ def test_cpu_decode_kernel_matches_sdpa(tiny_llama_dir, dtype):
         prompts = [PROMPT, PROMPT[:3], list(range(200, 237))]
         outs[backend] = run_engine(eng, prompts, SamplingParams(max_tokens=20, temperature=0,
                                                                 ignore_eos=True))
-    if dtype == "float32":
-        assert outs["torch"] == outs["torch-sdpa"]
-    else:  # bf16 rounding may flip a near-tie late in a sequence; the start must agree
-        assert all(a[:5] == b[:5] for a, b in zip(outs["torch"], outs["torch-sdpa"]))
+    assert outs["torch"] == outs["torch-sdpa"]
 
 
-def test_kernel_numerics_against_a_dense_reference():
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_kernel_numerics_against_a_dense_reference(dtype, tol):
     from workers.model.attention.cpu_kernels import paged_decode_kernel
 
     kernel = paged_decode_kernel()
@@ -119,14 +116,16 @@ def test_kernel_numerics_against_a_dense_reference():
         pytest.skip("no C++ compiler: the kernel could not be built")
     torch.manual_seed(0)
     blocks, bs, kvh, d, heads = 32, 4, 2, 16, 6
-    k_cache, v_cache = torch.randn(blocks, bs, kvh, d), torch.randn(blocks, bs, kvh, d)
+    k_cache = torch.randn(blocks, bs, kvh, d).to(dtype)
+    v_cache = torch.randn(blocks, bs, kvh, d).to(dtype)
     tables = torch.tensor([[3, 7, 1, 0], [9, 2, 0, 0]])
     lens = torch.tensor([13, 5])
-    q = torch.randn(2, heads, d)
+    q = torch.randn(2, heads, d).to(dtype)
     out = kernel.paged_decode_attention(q, k_cache, v_cache, tables, lens, d**-0.5)
+    assert out.dtype == dtype
     for b in range(2):
         keys = k_cache[tables[b]].reshape(-1, kvh, d)[: lens[b]].repeat_interleave(3, dim=1)
         vals = v_cache[tables[b]].reshape(-1, kvh, d)[: lens[b]].repeat_interleave(3, dim=1)
-        w = torch.einsum("hd,lhd->hl", q[b], keys).mul(d**-0.5).softmax(-1)
-        torch.testing.assert_close(out[b], torch.einsum("hl,lhd->hd", w, vals),
-                                   atol=1e-5, rtol=1e-5)
+        w = torch.einsum("hd,lhd->hl", q[b].float(), keys.float()).mul(d**-0.5).softmax(-1)
+        want = torch.einsum("hl,lhd->hd", w, vals.float())
+        torch.testing.assert_close(out[b].float(), want, atol=tol, rtol=tol)
