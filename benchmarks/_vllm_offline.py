@@ -12,12 +12,20 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=job["model_dir"], dtype=job["dtype"], max_num_seqs=job["max_batch"],
-              max_model_len=job.get("max_model_len", 2048), seed=0, enforce_eager=True,
-              kv_cache_memory_bytes=int(job.get("kv_cache_gb", 1.0) * 2**30))
+    llm = LLM(
+        model=job["model_dir"],
+        dtype=job["dtype"],
+        max_num_seqs=job["max_batch"],
+        max_model_len=job.get("max_model_len", 2048),
+        seed=0,
+        enforce_eager=True,
+        kv_cache_memory_bytes=int(job.get("kv_cache_gb", 1.0) * 2**30),
+    )
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in job["requests"]]
-    params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
-              for r in job["requests"]]
+    params = [
+        SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
+        for r in job["requests"]
+    ]
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
     runs = []
     for i in range(job["runs"]):

@@ -11,8 +11,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-DEFAULT_VLLM_PYTHON = Path(os.environ.get(
-    "TANDEM_VLLM_PYTHON", Path.home() / ".cache" / "tandem" / "vllm-venv" / "bin" / "python"))
+DEFAULT_VLLM_PYTHON = Path(
+    os.environ.get(
+        "TANDEM_VLLM_PYTHON", Path.home() / ".cache" / "tandem" / "vllm-venv" / "bin" / "python"
+    )
+)
 
 
 def log(msg: str) -> None:
@@ -34,18 +37,29 @@ def export_default_model(out_dir: Path) -> Path:
     cfg, tensors = read_checkpoint(src)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings, "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": cfg.eos_token_ids[0], "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_ids[0],
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
     }
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()},
-              str(out_dir / "model.safetensors"))
+    save_file(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()},
+        str(out_dir / "model.safetensors"),
+    )
     Tokenizer(src).hf.save_pretrained(out_dir)
     log(f"exported the default model to {out_dir}")
     return out_dir

@@ -43,8 +43,10 @@ def layout_for(dtype: str) -> KVLayout:
 
 def make_cache(layout: KVLayout):
     shape = (CACHE_BLOCKS, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    return [(torch.randn(shape).to(layout.torch_dtype), torch.randn(shape).to(layout.torch_dtype))
-            for _ in range(layout.num_layers)]
+    return [
+        (torch.randn(shape).to(layout.torch_dtype), torch.randn(shape).to(layout.torch_dtype))
+        for _ in range(layout.num_layers)
+    ]
 
 
 def export_layer(cache, i: int, blocks: torch.Tensor) -> torch.Tensor:
@@ -110,33 +112,51 @@ def worker(rank: int, port_file: str, args: dict, out: str) -> None:
             group.send([ack], 60) if rank == 0 else group.recv([ack], 60)
             t = time.perf_counter()
             if rank == 0:  # gather each layer while the previous ones are on the wire
-                send_kv(group, desc, (export_layer(cache, j, blocks)
-                                      for j in range(layout.num_layers)), 60)
+                send_kv(
+                    group,
+                    desc,
+                    (export_layer(cache, j, blocks) for j in range(layout.num_layers)),
+                    60,
+                )
             else:  # scatter each layer into the cache as it lands
-                recv_kv(group, layout, 60, staging=staging,
-                        on_layer=lambda j, t: import_layer(cache, j, blocks, t))
+                recv_kv(
+                    group,
+                    layout,
+                    60,
+                    staging=staging,
+                    on_layer=lambda j, t, b=blocks: import_layer(cache, j, b, t),
+                )
             dt_e2e = time.perf_counter() - t
             if i:
                 timings["raw"].append(dt_raw)
                 timings["wire"].append(dt_wire)
                 timings["end_to_end"].append(dt_e2e)
-        results.append({"prompt_tokens": length, "bytes": nbytes,
-                        **{k: statistics.median(v) for k, v in timings.items()}})
+        results.append(
+            {
+                "prompt_tokens": length,
+                "bytes": nbytes,
+                **{k: statistics.median(v) for k, v in timings.items()},
+            }
+        )
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     group.close()
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--lengths", default="128,256,512,1024,2048,4096")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", type=Path, default=RESULTS / "kv_transfer.json")
     args = p.parse_args()
-    job = {"dtype": args.dtype, "lengths": [int(x) for x in args.lengths.split(",")],
-           "iters": args.iters}
+    job = {
+        "dtype": args.dtype,
+        "lengths": [int(x) for x in args.lengths.split(",")],
+        "iters": args.iters,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     port_file = str(args.out.with_suffix(".port"))
     tmp = str(args.out.with_suffix(".tmp"))
@@ -151,13 +171,35 @@ def main() -> None:
         r.update({f"{k}_GBps": v for k, v in gbps.items()})
         r["wire_vs_raw"] = gbps["wire"] / gbps["raw"]
         r["end_to_end_vs_raw"] = gbps["end_to_end"] / gbps["raw"]
-        table.append([r["prompt_tokens"], f"{r['bytes'] / 2**20:.1f}",
-                      f"{r['raw'] * 1e3:.2f}", f"{r['wire'] * 1e3:.2f}",
-                      f"{r['end_to_end'] * 1e3:.2f}", f"{gbps['raw']:.2f}",
-                      f"{gbps['wire']:.2f}", f"{gbps['end_to_end']:.2f}",
-                      f"{r['wire_vs_raw']:.0%}", f"{r['end_to_end_vs_raw']:.0%}"])
-    print_table(["prompt", "MiB", "raw ms", "wire ms", "e2e ms", "raw GB/s", "wire GB/s",
-                 "e2e GB/s", "wire/raw", "e2e/raw"], table)
+        table.append(
+            [
+                r["prompt_tokens"],
+                f"{r['bytes'] / 2**20:.1f}",
+                f"{r['raw'] * 1e3:.2f}",
+                f"{r['wire'] * 1e3:.2f}",
+                f"{r['end_to_end'] * 1e3:.2f}",
+                f"{gbps['raw']:.2f}",
+                f"{gbps['wire']:.2f}",
+                f"{gbps['end_to_end']:.2f}",
+                f"{r['wire_vs_raw']:.0%}",
+                f"{r['end_to_end_vs_raw']:.0%}",
+            ]
+        )
+    print_table(
+        [
+            "prompt",
+            "MiB",
+            "raw ms",
+            "wire ms",
+            "e2e ms",
+            "raw GB/s",
+            "wire GB/s",
+            "e2e GB/s",
+            "wire/raw",
+            "e2e/raw",
+        ],
+        table,
+    )
     args.out.write_text(json.dumps({"config": job, "results": rows}, indent=2))
     plot(rows, args.out.with_suffix(".png"), args.dtype)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
@@ -171,8 +213,11 @@ def plot(rows, path: Path, dtype: str) -> None:
 
     xs = [r["prompt_tokens"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for key, label in (("raw_GBps", "raw send/recv"), ("wire_GBps", "handoff (wire)"),
-                       ("end_to_end_GBps", "handoff (with export/import)")):
+    for key, label in (
+        ("raw_GBps", "raw send/recv"),
+        ("wire_GBps", "handoff (wire)"),
+        ("end_to_end_GBps", "handoff (with export/import)"),
+    ):
         ax.plot(xs, [r[key] for r in rows], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prompt tokens")

@@ -11,17 +11,39 @@ import random
 from pathlib import Path
 
 TOPICS = [
-    "the water cycle", "how vaccines work", "the French revolution", "black holes",
-    "photosynthesis", "the history of the bicycle", "how a compiler works", "coral reefs",
-    "the stock market", "volcanoes", "machine learning", "the Roman empire", "bees",
-    "the internet", "climate change", "chess openings", "the human heart", "electric cars",
-    "the moon landing", "jazz music", "earthquakes", "the printing press", "honey", "glaciers",
+    "the water cycle",
+    "how vaccines work",
+    "the French revolution",
+    "black holes",
+    "photosynthesis",
+    "the history of the bicycle",
+    "how a compiler works",
+    "coral reefs",
+    "the stock market",
+    "volcanoes",
+    "machine learning",
+    "the Roman empire",
+    "bees",
+    "the internet",
+    "climate change",
+    "chess openings",
+    "the human heart",
+    "electric cars",
+    "the moon landing",
+    "jazz music",
+    "earthquakes",
+    "the printing press",
+    "honey",
+    "glaciers",
 ]
 STYLES = [
-    "Explain {t} to a ten-year-old.", "Write a short poem about {t}.",
-    "Give three surprising facts about {t}.", "Summarize {t} in one paragraph.",
+    "Explain {t} to a ten-year-old.",
+    "Write a short poem about {t}.",
+    "Give three surprising facts about {t}.",
+    "Summarize {t} in one paragraph.",
     "Write a detailed essay about {t}, with an introduction, three sections and a conclusion.",
-    "What are the pros and cons of {t}?", "Tell a short story that involves {t}.",
+    "What are the pros and cons of {t}?",
+    "Tell a short story that involves {t}.",
 ]
 
 
@@ -34,8 +56,14 @@ def offline_default(n: int = 256, seed: int = 0) -> list[dict]:
     rows = []
     for _ in range(n):
         prompt = rng.choice(STYLES).format(t=rng.choice(TOPICS))
-        rows.append({"prompt": prompt, "max_tokens": heavy_tailed(rng, 48, 1.0, 8, 512),
-                     "temperature": 0.0, "ignore_eos": True})
+        rows.append(
+            {
+                "prompt": prompt,
+                "max_tokens": heavy_tailed(rng, 48, 1.0, 8, 512),
+                "temperature": 0.0,
+                "ignore_eos": True,
+            }
+        )
     return rows
 
 
@@ -63,13 +91,26 @@ def serving_default(n: int = 80, long_share: float = 0.15, seed: int = 1) -> lis
     for _ in range(n):
         if rng.random() < long_share:
             doc = long_document(rng, 110)  # about 1,500 tokens
-            rows.append({"prompt": f"Summarize this report in two sentences:\n{doc}",
-                         "max_tokens": 32, "temperature": 0.0, "ignore_eos": True,
-                         "kind": "long"})
+            rows.append(
+                {
+                    "prompt": f"Summarize this report in two sentences:\n{doc}",
+                    "max_tokens": 32,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "kind": "long",
+                }
+            )
         else:
             prompt = rng.choice(STYLES).format(t=rng.choice(TOPICS))
-            rows.append({"prompt": prompt, "max_tokens": heavy_tailed(rng, 48, 0.5, 16, 128),
-                         "temperature": 0.0, "ignore_eos": True, "kind": "chat"})
+            rows.append(
+                {
+                    "prompt": prompt,
+                    "max_tokens": heavy_tailed(rng, 48, 0.5, 16, 128),
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "kind": "chat",
+                }
+            )
     return rows
 
 

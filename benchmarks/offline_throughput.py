@@ -46,14 +46,22 @@ def run_tandem(job: dict, batching: str) -> list[dict]:
     from workers.engine.engine import LLMEngine
     from workers.engine.request import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=job["model_dir"], dtype=job["dtype"],
-                                    max_num_seqs=job["max_batch"], batching=batching,
-                                    max_model_len=job["max_model_len"]))
+    engine = LLMEngine(
+        EngineConfig(
+            model=job["model_dir"],
+            dtype=job["dtype"],
+            max_num_seqs=job["max_batch"],
+            batching=batching,
+            max_model_len=job["max_model_len"],
+        )
+    )
 
     def once(requests):
         for r in requests:
-            engine.add_request(r["prompt_ids"], SamplingParams(
-                max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True))
+            engine.add_request(
+                r["prompt_ids"],
+                SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True),
+            )
         tokens = 0
         while engine.has_unfinished():
             tokens += sum(len(o.new_token_ids) for o in engine.step())
@@ -75,12 +83,18 @@ def run_hf_generate(job: dict) -> list[dict]:
             ids = torch.full((len(group), width), pad, dtype=torch.long)
             mask = torch.zeros_like(ids)
             for j, r in enumerate(group):  # left padding, as decoder-only generate expects
-                ids[j, width - len(r["prompt_ids"]):] = torch.tensor(r["prompt_ids"])
-                mask[j, width - len(r["prompt_ids"]):] = 1
+                ids[j, width - len(r["prompt_ids"]) :] = torch.tensor(r["prompt_ids"])
+                mask[j, width - len(r["prompt_ids"]) :] = 1
             longest = max(r["max_tokens"] for r in group)
             with torch.inference_mode():
-                model.generate(ids, attention_mask=mask, max_new_tokens=longest,
-                               min_new_tokens=longest, do_sample=False, pad_token_id=pad)
+                model.generate(
+                    ids,
+                    attention_mask=mask,
+                    max_new_tokens=longest,
+                    min_new_tokens=longest,
+                    do_sample=False,
+                    pad_token_id=pad,
+                )
             # Only each request's own tokens count: the rest of the group's steps are waste.
             tokens += sum(r["max_tokens"] for r in group)
         return tokens
@@ -92,14 +106,16 @@ def run_hf_continuous(job: dict) -> list[dict]:
     from transformers import GenerationConfig
 
     model, pad = hf_model(job)
-    gen = GenerationConfig(do_sample=False, max_new_tokens=512, eos_token_id=-1,
-                           pad_token_id=pad)
+    gen = GenerationConfig(do_sample=False, max_new_tokens=512, eos_token_id=-1, pad_token_id=pad)
     manager = model.init_continuous_batching(generation_config=gen)
     manager.start()
     try:
+
         def once(requests):
-            pending = {manager.add_request(r["prompt_ids"], max_new_tokens=r["max_tokens"])
-                       for r in requests}
+            pending = {
+                manager.add_request(r["prompt_ids"], max_new_tokens=r["max_tokens"])
+                for r in requests
+            }
             tokens = 0
             deadline = time.monotonic() + 3600
             while pending and time.monotonic() < deadline:
@@ -124,8 +140,9 @@ def hf_model(job: dict):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(job["model_dir"],
-                                                 dtype=getattr(torch, job["dtype"])).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        job["model_dir"], dtype=getattr(torch, job["dtype"])
+    ).eval()
     model.generation_config.eos_token_id = None
     return model, 2
 
@@ -162,13 +179,14 @@ def run_system(system: str, job: dict, vllm_python: Path, timeout: float) -> dic
         cmd = [sys.executable, __file__, "--worker", system]
     log(f"[{system}] starting")
     try:
-        proc = subprocess.run(cmd, input=json.dumps(job), capture_output=True, text=True,
-                              timeout=timeout, cwd=ROOT)
+        proc = subprocess.run(
+            cmd, input=json.dumps(job), capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            runs = json.loads(line[len("RESULT "):])["runs"]
+            runs = json.loads(line[len("RESULT ") :])["runs"]
             rates = [r["output_tokens"] / r["seconds"] for r in runs]
             log(f"[{system}] median {median(rates):.1f} tok/s")
             return {"runs": runs, "tokens_per_s": rates, "median_tokens_per_s": median(rates)}
@@ -186,8 +204,9 @@ def plot(results: dict, path: Path, title: str) -> None:
     names = [n for n, r in results.items() if "median_tokens_per_s" in r]
     values = [results[n]["median_tokens_per_s"] for n in names]
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    bars = ax.bar(names, values, color=["#2b6cb0" if n.startswith("tandem") else "#a0aec0"
-                                        for n in names])
+    bars = ax.bar(
+        names, values, color=["#2b6cb0" if n.startswith("tandem") else "#a0aec0" for n in names]
+    )
     ax.bar_label(bars, fmt="%.0f")
     ax.set_ylabel("output tokens/s (median)")
     ax.set_title(title, fontsize=9)
@@ -196,8 +215,9 @@ def plot(results: dict, path: Path, title: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--workload", default=str(ROOT / "benchmarks/workloads/offline_default.jsonl"))
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--max-batch", type=int, default=64)
@@ -218,11 +238,19 @@ def main() -> None:
         p.error(f"unknown systems: {', '.join(sorted(unknown))}")
     model_dir = export_default_model(RESULTS / "smollm2-135m-instruct-hf")
     requests = load_workload(Path(args.workload), model_dir, args.limit)
-    job = {"model_dir": str(model_dir), "dtype": args.dtype, "max_batch": args.max_batch,
-           "max_model_len": args.max_model_len, "runs": args.runs, "requests": requests}
+    job = {
+        "model_dir": str(model_dir),
+        "dtype": args.dtype,
+        "max_batch": args.max_batch,
+        "max_model_len": args.max_model_len,
+        "runs": args.runs,
+        "requests": requests,
+    }
     total = sum(r["max_tokens"] for r in requests)
-    log(f"workload: {len(requests)} requests, {total} output tokens, dtype {args.dtype}, "
-        f"max batch {args.max_batch}, {args.runs} runs each")
+    log(
+        f"workload: {len(requests)} requests, {total} output tokens, dtype {args.dtype}, "
+        f"max batch {args.max_batch}, {args.runs} runs each"
+    )
     results = {s: run_system(s, job, args.vllm_python, args.timeout) for s in systems}
     base = results.get("tandem-continuous", {}).get("median_tokens_per_s")
     rows = []
@@ -231,15 +259,31 @@ def main() -> None:
             rows.append([name, "-", "-", "-", r.get("skipped") or r.get("error", "")[:60]])
             continue
         rate = r["median_tokens_per_s"]
-        rows.append([name, f"{rate:.1f}", " ".join(f"{x:.0f}" for x in r["tokens_per_s"]),
-                     f"{base / rate:.2f}x" if base else "-", ""])
+        rows.append(
+            [
+                name,
+                f"{rate:.1f}",
+                " ".join(f"{x:.0f}" for x in r["tokens_per_s"]),
+                f"{base / rate:.2f}x" if base else "-",
+                "",
+            ]
+        )
     print_table(["system", "tok/s (median)", "runs", "tandem-continuous is", "note"], rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"workload": args.workload, "requests": len(requests), "output_tokens": total,
-            "dtype": args.dtype, "max_batch": args.max_batch, "runs": args.runs}
+    meta = {
+        "workload": args.workload,
+        "requests": len(requests),
+        "output_tokens": total,
+        "dtype": args.dtype,
+        "max_batch": args.max_batch,
+        "runs": args.runs,
+    }
     args.out.write_text(json.dumps({"config": meta, "results": results}, indent=2))
-    plot(results, args.out.with_suffix(".png"),
-         f"{len(requests)} requests, {total} output tokens, {args.dtype}, batch {args.max_batch}")
+    plot(
+        results,
+        args.out.with_suffix(".png"),
+        f"{len(requests)} requests, {total} output tokens, {args.dtype}, batch {args.max_batch}",
+    )
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 

@@ -45,8 +45,9 @@ from benchmarks.common import (  # noqa: E402
 SYSTEMS = ["tandem-disagg", "tandem-colocated", "tandem-colocated-unchunked", "vllm"]
 
 
-def load_trace(path: Path, model_dir: Path, rate: float, burstiness: float, seed: int,
-               limit: int | None) -> list[dict]:
+def load_trace(
+    path: Path, model_dir: Path, rate: float, burstiness: float, seed: int, limit: int | None
+) -> list[dict]:
     from workers.model.loader import ModelSource
     from workers.model.tokenizer import Tokenizer
 
@@ -58,8 +59,14 @@ def load_trace(path: Path, model_dir: Path, rate: float, burstiness: float, seed
         ids = r.get("prompt_ids") or tok.encode_chat(r["prompt"])
         # Gamma with shape k and mean 1/rate: k=1 is Poisson; smaller k is burstier.
         t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
-        trace.append({"at": t, "prompt_ids": ids, "max_tokens": r.get("max_tokens", 16),
-                      "kind": r.get("kind", "chat")})
+        trace.append(
+            {
+                "at": t,
+                "prompt_ids": ids,
+                "max_tokens": r.get("max_tokens", 16),
+                "kind": r.get("kind", "chat"),
+            }
+        )
     return trace
 
 
@@ -74,12 +81,19 @@ async def run_grpc(address: str, trace: list[dict], t0: float) -> list[dict]:
         await asyncio.sleep(max(0.0, t0 + r["at"] - time.perf_counter()))
         start = time.perf_counter()
         chunks = []
-        msg = pb.GenerateRequest(prompt_ids=r["prompt_ids"], sampling=pb.SamplingParams(
-            max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True))
+        msg = pb.GenerateRequest(
+            prompt_ids=r["prompt_ids"],
+            sampling=pb.SamplingParams(
+                max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True
+            ),
+        )
         res = await client.generate(
-            msg, timeout_s=600,
-            on_chunk=lambda m: chunks.append((time.perf_counter(), len(m.token_ids)))
-            if m.token_ids else None)
+            msg,
+            timeout_s=600,
+            on_chunk=lambda m: (
+                chunks.append((time.perf_counter(), len(m.token_ids))) if m.token_ids else None
+            ),
+        )
         return record(r, start, chunks, res.status == "OK", res.error)
 
     try:
@@ -93,12 +107,19 @@ async def run_openai(base_url: str, model: str, trace: list[dict], t0: float) ->
 
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
+
         async def one(r):
             await asyncio.sleep(max(0.0, t0 + r["at"] - time.perf_counter()))
             start = time.perf_counter()
             chunks, ok, error = [], True, None
-            body = {"model": model, "prompt": r["prompt_ids"], "max_tokens": r["max_tokens"],
-                    "temperature": 0.0, "ignore_eos": True, "stream": True}
+            body = {
+                "model": model,
+                "prompt": r["prompt_ids"],
+                "max_tokens": r["max_tokens"],
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+            }
             try:
                 async with session.post(f"{base_url}/v1/completions", json=body) as resp:
                     if resp.status != 200:
@@ -120,30 +141,49 @@ async def run_openai(base_url: str, model: str, trace: list[dict], t0: float) ->
 def record(r: dict, start: float, chunks: list, ok: bool, error) -> dict:
     times = [t for t, _ in chunks]
     n = sum(k for _, k in chunks)
-    return {"ok": ok and bool(chunks), "error": error, "kind": r["kind"], "arrival": r["at"],
-            "start": start, "ttft": times[0] - start if times else None,
-            "e2e": times[-1] - start if times else None, "output_tokens": n,
-            "itl": [b - a for a, b in zip(times, times[1:])], "chunk_times": times}
+    return {
+        "ok": ok and bool(chunks),
+        "error": error,
+        "kind": r["kind"],
+        "arrival": r["at"],
+        "start": start,
+        "ttft": times[0] - start if times else None,
+        "e2e": times[-1] - start if times else None,
+        "output_tokens": n,
+        "itl": [b - a for a, b in zip(times, times[1:])],
+        "chunk_times": times,
+    }
 
 
 def summarize(records: list[dict], duration: float, slo_ttft: float, slo_tpot: float) -> dict:
     ok = [r for r in records if r["ok"]]
     ttft = [r["ttft"] for r in ok]
     e2e = [r["e2e"] for r in ok]
-    tpot = [(r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok
-            if r["output_tokens"] > 1]
+    tpot = [(r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok if r["output_tokens"] > 1]
     itl = [x for r in ok for x in r["itl"]]
-    good = sum(1 for r in ok if r["ttft"] <= slo_ttft and (
-        r["output_tokens"] <= 1 or (r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) <= slo_tpot))
-    out = {"completed": len(ok), "failed": len(records) - len(ok), "duration_s": duration,
-           "request_throughput": len(ok) / duration,
-           "output_throughput": sum(r["output_tokens"] for r in ok) / duration,
-           "goodput": good / duration, "good_requests": good}
+    good = sum(
+        1
+        for r in ok
+        if r["ttft"] <= slo_ttft
+        and (
+            r["output_tokens"] <= 1 or (r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) <= slo_tpot
+        )
+    )
+    out = {
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": sum(r["output_tokens"] for r in ok) / duration,
+        "goodput": good / duration,
+        "good_requests": good,
+    }
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         xs = sorted(xs)
         for p in (50, 90, 99):
-            out[f"{name}_p{p}_ms"] = 1000 * xs[min(len(xs) - 1, int(len(xs) * p / 100))] \
-                if xs else float("nan")
+            out[f"{name}_p{p}_ms"] = (
+                1000 * xs[min(len(xs) - 1, int(len(xs) * p / 100))] if xs else float("nan")
+            )
         out[f"{name}_mean_ms"] = 1000 * statistics.fmean(xs) if xs else float("nan")
     return out
 
@@ -153,18 +193,43 @@ async def run_tandem(system: str, model_dir: Path, trace: list[dict], data_dir: 
     from cluster.cluster import Cluster
     from cluster.config import ClusterConfig
 
-    common = dict(model=str(model_dir), dtype="bfloat16", port=0, dashboard=False,
-                  data_dir=str(data_dir), kv_cache_gb=1.0, max_num_seqs=64)
+    common = dict(
+        model=str(model_dir),
+        dtype="bfloat16",
+        port=0,
+        dashboard=False,
+        data_dir=str(data_dir),
+        kv_cache_gb=1.0,
+        max_num_seqs=64,
+    )
     if system == "tandem-disagg":
-        cfg = ClusterConfig(**common, mode="disaggregated", prefill=1, decode=1,
-                            cpus_per_worker=1, prefill_chunk_size=512,
-                            max_num_batched_tokens=2048)
+        cfg = ClusterConfig(
+            **common,
+            mode="disaggregated",
+            prefill=1,
+            decode=1,
+            cpus_per_worker=1,
+            prefill_chunk_size=512,
+            max_num_batched_tokens=2048,
+        )
     elif system == "tandem-colocated":
-        cfg = ClusterConfig(**common, mode="colocated", decode=1, cpus_per_worker=2,
-                            prefill_chunk_size=256, max_num_batched_tokens=256)
+        cfg = ClusterConfig(
+            **common,
+            mode="colocated",
+            decode=1,
+            cpus_per_worker=2,
+            prefill_chunk_size=256,
+            max_num_batched_tokens=256,
+        )
     else:
-        cfg = ClusterConfig(**common, mode="colocated", decode=1, cpus_per_worker=2,
-                            enable_chunked_prefill=False, max_num_batched_tokens=4096)
+        cfg = ClusterConfig(
+            **common,
+            mode="colocated",
+            decode=1,
+            cpus_per_worker=2,
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=4096,
+        )
     cluster = await Cluster(cfg).start(progress=lambda m: log(f"  {m}"))
     try:
         await run_grpc(cluster.address, trace[:2], time.perf_counter())  # warm-up
@@ -179,10 +244,27 @@ async def run_vllm(vllm_python: Path, model_dir: Path, trace: list[dict]) -> tup
     from cluster.redis_server import free_port
 
     port = free_port()
-    cmd = [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model",
-           str(model_dir), "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16",
-           "--max-model-len", "4096", "--max-num-seqs", "64", "--kv-cache-memory-bytes",
-           str(2**30), "--served-model-name", "smollm2"]
+    cmd = [
+        str(vllm_python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "4096",
+        "--max-num-seqs",
+        "64",
+        "--kv-cache-memory-bytes",
+        str(2**30),
+        "--served-model-name",
+        "smollm2",
+    ]
     logf = open(RESULTS / "vllm_server.log", "w")
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
     try:
@@ -192,8 +274,9 @@ async def run_vllm(vllm_python: Path, model_dir: Path, trace: list[dict]) -> tup
         async with aiohttp.ClientSession() as s:
             while True:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"vLLM server exited ({proc.returncode}); see "
-                                       f"{RESULTS / 'vllm_server.log'}")
+                    raise RuntimeError(
+                        f"vLLM server exited ({proc.returncode}); see {RESULTS / 'vllm_server.log'}"
+                    )
                 try:
                     async with s.get(f"http://127.0.0.1:{port}/health") as r:
                         if r.status == 200:
@@ -228,8 +311,11 @@ def plots(all_records: dict, trace: list[dict], out: Path) -> None:
             if key == "itl":
                 xs = [x for r in ok for x in r["itl"]]
             elif key == "tpot":
-                xs = [(r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok
-                      if r["output_tokens"] > 1]
+                xs = [
+                    (r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1)
+                    for r in ok
+                    if r["output_tokens"] > 1
+                ]
             else:
                 xs = [r[key] for r in ok]
             xs = sorted(1000 * x for x in xs)
@@ -243,8 +329,9 @@ def plots(all_records: dict, trace: list[dict], out: Path) -> None:
     fig.savefig(out.with_name(out.stem + "_cdf.png"), dpi=110)
 
     names = list(all_records)
-    fig, axes = plt.subplots(len(names), 1, figsize=(10, 2.2 * len(names)), sharex=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(names), 1, figsize=(10, 2.2 * len(names)), sharex=True, squeeze=False
+    )
     long_at = [r["at"] for r in trace if r["kind"] == "long"]
     for ax, name in zip(axes[:, 0], names):
         records, t0 = all_records[name]
@@ -263,11 +350,14 @@ def plots(all_records: dict, trace: list[dict], out: Path) -> None:
 
 async def amain(args) -> None:
     model_dir = export_default_model(RESULTS / "smollm2-135m-instruct-hf")
-    trace = load_trace(Path(args.workload), model_dir, args.rate, args.burstiness, args.seed,
-                       args.limit)
+    trace = load_trace(
+        Path(args.workload), model_dir, args.rate, args.burstiness, args.seed, args.limit
+    )
     n_long = sum(1 for r in trace if r["kind"] == "long")
-    log(f"trace: {len(trace)} requests over {trace[-1]['at']:.0f} s ({n_long} long prompts), "
-        f"rate {args.rate}/s, burstiness {args.burstiness}")
+    log(
+        f"trace: {len(trace)} requests over {trace[-1]['at']:.0f} s ({n_long} long prompts), "
+        f"rate {args.rate}/s, burstiness {args.burstiness}"
+    )
     summaries, all_records = {}, {}
     for system in args.systems.split(","):
         runs = []
@@ -280,15 +370,17 @@ async def amain(args) -> None:
                         break
                     records, t0 = await run_vllm(args.vllm_python, model_dir, trace)
                 else:
-                    records, t0 = await run_tandem(system, model_dir, trace,
-                                                   RESULTS / f"data-{system}")
+                    records, t0 = await run_tandem(
+                        system, model_dir, trace, RESULTS / f"data-{system}"
+                    )
             except Exception as e:
                 log(f"[{system}] failed: {e}")
                 summaries[system] = {"error": str(e)}
                 break
             duration = max(r["start"] + (r["e2e"] or 0) for r in records) - t0
-            runs.append(summarize(records, duration, args.slo_ttft_ms / 1000,
-                                  args.slo_tpot_ms / 1000))
+            runs.append(
+                summarize(records, duration, args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
+            )
             all_records[system] = (records, t0)
         if runs:
             summaries[system] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
@@ -298,26 +390,56 @@ async def amain(args) -> None:
         if "completed" not in s:
             rows.append([name] + ["-"] * 9 + [s.get("skipped") or s.get("error", "")[:50]])
             continue
-        rows.append([name, f"{s['completed']}/{s['completed'] + s['failed']}",
-                     f"{s['goodput']:.2f}", f"{s['output_throughput']:.1f}",
-                     f"{s['ttft_p50_ms']:.0f}", f"{s['ttft_p99_ms']:.0f}",
-                     f"{s['tpot_p50_ms']:.0f}", f"{s['tpot_p99_ms']:.0f}",
-                     f"{s['itl_p50_ms']:.0f}", f"{s['itl_p99_ms']:.0f}", ""])
-    print(f"SLOs: TTFT <= {args.slo_ttft_ms} ms, TPOT <= {args.slo_tpot_ms} ms; median of "
-          f"{args.runs} run(s)")
-    print_table(["system", "done", "goodput r/s", "tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
-                 "TPOT p99", "ITL p50", "ITL p99", "note"], rows)
+        rows.append(
+            [
+                name,
+                f"{s['completed']}/{s['completed'] + s['failed']}",
+                f"{s['goodput']:.2f}",
+                f"{s['output_throughput']:.1f}",
+                f"{s['ttft_p50_ms']:.0f}",
+                f"{s['ttft_p99_ms']:.0f}",
+                f"{s['tpot_p50_ms']:.0f}",
+                f"{s['tpot_p99_ms']:.0f}",
+                f"{s['itl_p50_ms']:.0f}",
+                f"{s['itl_p99_ms']:.0f}",
+                "",
+            ]
+        )
+    print(
+        f"SLOs: TTFT <= {args.slo_ttft_ms} ms, TPOT <= {args.slo_tpot_ms} ms; median of "
+        f"{args.runs} run(s)"
+    )
+    print_table(
+        [
+            "system",
+            "done",
+            "goodput r/s",
+            "tok/s",
+            "TTFT p50",
+            "TTFT p99",
+            "TPOT p50",
+            "TPOT p99",
+            "ITL p50",
+            "ITL p99",
+            "note",
+        ],
+        rows,
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()},
-                                    "summaries": summaries}, indent=2))
+    args.out.write_text(
+        json.dumps(
+            {"config": {k: str(v) for k, v in vars(args).items()}, "summaries": summaries}, indent=2
+        )
+    )
     if all_records:
         plots(all_records, trace, args.out)
     print(f"wrote {args.out} and its PNGs")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--workload", default=str(ROOT / "benchmarks/workloads/serving_default.jsonl"))
     p.add_argument("--rate", type=float, default=1.0, help="requests per second")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 is Poisson")

@@ -1,9 +1,9 @@
 """The `tandem` command line.
 
-    tandem up [--config F] [--model M] [--prefill N] [--decode M] [--mode ...] [--port P] ...
-    tandem generate --offline [--model M] [--dtype D] [--requests FILE.jsonl] [--json] [PROMPT]
-    tandem generate --address HOST:PORT [--requests FILE.jsonl] [--concurrency N] [--json] [PROMPT]
-    tandem status --address HOST:PORT [--json]
+tandem up [--config F] [--model M] [--prefill N] [--decode M] [--mode ...] [--port P] ...
+tandem generate --offline [--model M] [--dtype D] [--requests FILE.jsonl] [--json] [PROMPT]
+tandem generate --address HOST:PORT [--requests FILE.jsonl] [--concurrency N] [--json] [PROMPT]
+tandem status --address HOST:PORT [--json]
 """
 
 from __future__ import annotations
@@ -23,11 +23,16 @@ from workers.offline import GenerationRequest
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="a .gguf file or an HF folder (default: SmolLM2-135M-Instruct)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file or an HF folder (default: SmolLM2-135M-Instruct)",
+    )
     g.add_argument("--dtype", default="float32", choices=DTYPES)
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    g.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "torch-sdpa", "flash-attn"))
+    g.add_argument(
+        "--attention-backend", default="auto", choices=("auto", "torch", "torch-sdpa", "flash-attn")
+    )
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-gb", type=float, default=1.0)
@@ -68,8 +73,9 @@ def _requests(args: argparse.Namespace) -> list[GenerationRequest]:
         raise ValueError("give either a PROMPT or --requests FILE.jsonl")
     if args.requests:
         return read_requests(args.requests)
-    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                              seed=args.seed)
+    sampling = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    )
     return [GenerationRequest(prompt=args.prompt, sampling=sampling)]
 
 
@@ -106,14 +112,19 @@ def _progress(done: int, total: int, tokens: int, t0: list[float]) -> None:
     if done == total or now - t0[1] > 2.0:
         t0[1] = now
         rate = tokens / max(now - t0[0], 1e-9)
-        print(f"[tandem] {done}/{total} requests done, {tokens} tokens, {rate:.1f} tok/s",
-              file=sys.stderr, flush=True)
+        print(
+            f"[tandem] {done}/{total} requests done, {tokens} tokens, {rate:.1f} tok/s",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     if bool(args.offline) == bool(args.address):
-        print("tandem generate: give --offline (in-process engine) or --address HOST:PORT",
-              file=sys.stderr)
+        print(
+            "tandem generate: give --offline (in-process engine) or --address HOST:PORT",
+            file=sys.stderr,
+        )
         return 2
     try:
         requests = _requests(args)
@@ -147,8 +158,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="tandem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions")
     gen.add_argument("prompt", nargs="?", help="one prompt, sent as a user chat message")

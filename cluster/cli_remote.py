@@ -41,8 +41,9 @@ async def generate_remote(args: argparse.Namespace, requests) -> int:
         await client.close()
     bad = [r for r in results.values() if r.status != "OK" or r.finish_reason == "error"]
     for r in bad:
-        print(f"tandem generate: {r.request_id or 'request'}: {r.status}: {r.error}",
-              file=sys.stderr)
+        print(
+            f"tandem generate: {r.request_id or 'request'}: {r.status}: {r.error}", file=sys.stderr
+        )
     return 1 if bad else 0
 
 
@@ -70,8 +71,10 @@ async def _status(args) -> int:
     print(f"router: mode={r['mode']} queue_depth={r['queue_depth']} in_flight={r['in_flight']}")
     for pool in ("prefill", "decode"):
         for w in s[pool]:
-            print(f"{w['name']:<12} {'alive' if w['alive'] else 'DEAD':<5} pid={w['pid']:<7} "
-                  f"node={w['node']:<15} kv={w['kv_blocks_free']}/{w['kv_blocks_total']} "
-                  f"running={w['running']} waiting={w['waiting']}"
-                  f"{' draining' if w['draining'] else ''}")
+            print(
+                f"{w['name']:<12} {'alive' if w['alive'] else 'DEAD':<5} pid={w['pid']:<7} "
+                f"node={w['node']:<15} kv={w['kv_blocks_free']}/{w['kv_blocks_total']} "
+                f"running={w['running']} waiting={w['waiting']}"
+                f"{' draining' if w['draining'] else ''}"
+            )
     return 0

@@ -32,9 +32,24 @@ def add_up_parser(sub) -> None:
     up.set_defaults(func=cmd_up)
 
 
-_FIELDS = ("model", "dtype", "device", "prefill", "decode", "mode", "host", "port", "data_dir",
-           "redis_url", "ray_address", "dashboard", "cpus_per_worker", "kv_cache_gb",
-           "block_size", "auth_token")
+_FIELDS = (
+    "model",
+    "dtype",
+    "device",
+    "prefill",
+    "decode",
+    "mode",
+    "host",
+    "port",
+    "data_dir",
+    "redis_url",
+    "ray_address",
+    "dashboard",
+    "cpus_per_worker",
+    "kv_cache_gb",
+    "block_size",
+    "auth_token",
+)
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -47,9 +47,16 @@ class Cluster:
             else:
                 cpus = max(2, int(cfg.workers_cpus + 0.999))
                 progress(f"starting Ray with {cpus} logical CPUs")
-                ray.init(num_cpus=cpus, include_dashboard=cfg.dashboard, namespace="tandem",
-                         runtime_env={"env_vars": {"TANDEM_CPU_KERNELS":
-                                                   os.environ.get("TANDEM_CPU_KERNELS", "1")}})
+                ray.init(
+                    num_cpus=cpus,
+                    include_dashboard=cfg.dashboard,
+                    namespace="tandem",
+                    runtime_env={
+                        "env_vars": {
+                            "TANDEM_CPU_KERNELS": os.environ.get("TANDEM_CPU_KERNELS", "1")
+                        }
+                    },
+                )
             self._started_ray = True
         redis_url = cfg.redis_url
         if redis_url is None:
@@ -58,24 +65,36 @@ class Cluster:
             progress(f"embedded Redis at {redis_url} (AOF in {self.redis.data_dir})")
         state = StateStore(redis_url)
         state.ping()
-        self.pools = PoolManager(PoolConfig(
-            engine_config=cfg.engine_config(), redis_url=redis_url,
-            transfer_host=cfg.host if cfg.host != "0.0.0.0" else "127.0.0.1",
-            transfer_timeout_s=cfg.transfer_timeout_s, cpus_per_worker=cfg.cpus_per_worker,
-            gpus_per_worker=cfg.gpus_per_worker))
+        self.pools = PoolManager(
+            PoolConfig(
+                engine_config=cfg.engine_config(),
+                redis_url=redis_url,
+                transfer_host=cfg.host if cfg.host != "0.0.0.0" else "127.0.0.1",
+                transfer_timeout_s=cfg.transfer_timeout_s,
+                cpus_per_worker=cfg.cpus_per_worker,
+                gpus_per_worker=cfg.gpus_per_worker,
+            )
+        )
         n_prefill = cfg.prefill if cfg.mode == "disaggregated" else 0
         progress(f"starting {n_prefill} prefill and {cfg.decode} decode workers ({cfg.mode})")
-        await asyncio.gather(*[self.pools.spawn("prefill") for _ in range(n_prefill)],
-                             *[self.pools.spawn("decode") for _ in range(cfg.decode)])
+        await asyncio.gather(
+            *[self.pools.spawn("prefill") for _ in range(n_prefill)],
+            *[self.pools.spawn("decode") for _ in range(cfg.decode)],
+        )
         tokenizer = Tokenizer(src)
         max_len = model_cfg.max_position_embeddings
-        self.router = Router(self.pools, tokenizer, cfg.block_size, state,
-                             RouterConfig(max_in_flight=cfg.max_in_flight,
-                                          max_queue=cfg.max_queue), mode=cfg.mode)
+        self.router = Router(
+            self.pools,
+            tokenizer,
+            cfg.block_size,
+            state,
+            RouterConfig(max_in_flight=cfg.max_in_flight, max_queue=cfg.max_queue),
+            mode=cfg.mode,
+        )
         await self.router.start()
         self.server, self.port = await start_server(
-            self.router, cfg.port, max_len, model_cfg.vocab_size, cfg.mode, cfg.auth_token,
-            cfg.host)
+            self.router, cfg.port, max_len, model_cfg.vocab_size, cfg.mode, cfg.auth_token, cfg.host
+        )
         progress(f"router listening on {self.address}")
         return self
 

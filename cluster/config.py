@@ -66,9 +66,13 @@ class ClusterConfig:
 
     def engine_config(self) -> dict:
         return {
-            "model": self.model, "dtype": self.dtype, "device": self.device,
-            "block_size": self.block_size, "kv_cache_memory_gb": self.kv_cache_gb,
-            "num_kv_blocks": self.num_kv_blocks, "max_num_seqs": self.max_num_seqs,
+            "model": self.model,
+            "dtype": self.dtype,
+            "device": self.device,
+            "block_size": self.block_size,
+            "kv_cache_memory_gb": self.kv_cache_gb,
+            "num_kv_blocks": self.num_kv_blocks,
+            "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "prefill_chunk_size": self.prefill_chunk_size,
             "enable_chunked_prefill": self.enable_chunked_prefill,

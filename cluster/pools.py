@@ -60,15 +60,26 @@ class PoolManager:
         taken = set(self.workers[pool])
         name = next(f"{pool}-{i}" for i in range(len(taken) + 1) if f"{pool}-{i}" not in taken)
         cls = PrefillWorker if pool == "prefill" else DecodeWorker
-        kwargs = {"name": name, "engine_config": self.cfg.engine_config,
-                  "transfer_host": self.cfg.transfer_host,
-                  "transfer_timeout_s": self.cfg.transfer_timeout_s}
+        kwargs = {
+            "name": name,
+            "engine_config": self.cfg.engine_config,
+            "transfer_host": self.cfg.transfer_host,
+            "transfer_timeout_s": self.cfg.transfer_timeout_s,
+        }
         if pool == "decode":
             kwargs["redis_url"] = self.cfg.redis_url
-        actor = ray.remote(cls).options(
-            name=name, namespace=NAMESPACE, num_cpus=self.cfg.cpus_per_worker,
-            num_gpus=self.cfg.gpus_per_worker, max_concurrency=64, max_restarts=0,
-        ).remote(**kwargs)
+        actor = (
+            ray.remote(cls)
+            .options(
+                name=name,
+                namespace=NAMESPACE,
+                num_cpus=self.cfg.cpus_per_worker,
+                num_gpus=self.cfg.gpus_per_worker,
+                max_concurrency=64,
+                max_restarts=0,
+            )
+            .remote(**kwargs)
+        )
         ref = WorkerRef(name, pool, actor)
         self.workers[pool][name] = ref
         try:
@@ -109,7 +120,10 @@ class PoolManager:
                 break
             await asyncio.sleep(0.2)
         await self.remove(name)
-        return idle, "drained" if idle else f"stopped with requests still running after {timeout_s}s"
+        return (
+            idle,
+            "drained" if idle else f"stopped with requests still running after {timeout_s}s",
+        )
 
     async def remove(self, name: str) -> None:
         w = self.get(name)

@@ -36,22 +36,43 @@ class EmbeddedRedis:
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         binary = shutil.which("redis-server")
         if binary is None:
-            raise RedisServerError("redis-server is not installed (apt-get install redis-server), "
-                                   "or pass --redis-url to use a running Redis")
+            raise RedisServerError(
+                "redis-server is not installed (apt-get install redis-server), "
+                "or pass --redis-url to use a running Redis"
+            )
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.data_dir / "redis.log", "ab")
         self.proc = subprocess.Popen(
-            [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.data_dir),
-             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
-             "--protected-mode", "yes"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                binary,
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--dir",
+                str(self.data_dir),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "everysec",
+                "--save",
+                "",
+                "--protected-mode",
+                "yes",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         atexit.register(self.stop)  # never leave a server behind, whatever ends this process
         client = redis.Redis(port=self.port, socket_timeout=1, socket_connect_timeout=1)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RedisServerError(f"redis-server exited with {self.proc.returncode}; "
-                                       f"see {self.data_dir / 'redis.log'}")
+                raise RedisServerError(
+                    f"redis-server exited with {self.proc.returncode}; "
+                    f"see {self.data_dir / 'redis.log'}"
+                )
             try:
                 if client.ping():
                     return self

@@ -50,8 +50,8 @@ def parse_request(obj: object, where: str = "request") -> GenerationRequest:
     if prompt is not None and not isinstance(prompt, str):
         raise ValueError(f"{where}: field 'prompt' must be a string")
     if ids is not None and (
-        not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                             for t in ids)
+        not isinstance(ids, list)
+        or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
     ):
         raise ValueError(f"{where}: field 'prompt_ids' must be a list of integers")
     priority = obj.get("priority", 0)

@@ -50,8 +50,9 @@ class StateStore:
     def __init__(self, url: str, ttl_s: int = 3600, timeout_s: float = 5.0) -> None:
         self.url = url
         self.ttl_s = ttl_s
-        self.r = redis.Redis.from_url(url, socket_timeout=timeout_s,
-                                      socket_connect_timeout=timeout_s, decode_responses=True)
+        self.r = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True
+        )
         self._transition = self.r.register_script(_TRANSITION)
 
     @staticmethod
@@ -67,10 +68,17 @@ class StateStore:
         created = self.r.hsetnx(self.key(request_id), "state", QUEUED)
         if not created:
             return False
-        self.r.hset(self.key(request_id), mapping={
-            "prompt_ids": json.dumps(prompt_ids), "sampling": json.dumps(sampling),
-            "tenant": tenant, "attempts": 0, "created": now, "updated": now,
-        })
+        self.r.hset(
+            self.key(request_id),
+            mapping={
+                "prompt_ids": json.dumps(prompt_ids),
+                "sampling": json.dumps(sampling),
+                "tenant": tenant,
+                "attempts": 0,
+                "created": now,
+                "updated": now,
+            },
+        )
         return True
 
     def transition(self, request_id: str, to: str, allowed: tuple[str, ...]) -> str | None:
@@ -84,8 +92,15 @@ class StateStore:
     def finish(self, request_id: str, state: str, finish_reason: str, error: str = "") -> None:
         key = self.key(request_id)
         with self.r.pipeline() as p:
-            p.hset(key, mapping={"state": state, "finish_reason": finish_reason,
-                                 "error": error, "updated": str(time.time())})
+            p.hset(
+                key,
+                mapping={
+                    "state": state,
+                    "finish_reason": finish_reason,
+                    "error": error,
+                    "updated": str(time.time()),
+                },
+            )
             p.expire(key, self.ttl_s)
             p.expire(key + ":tokens", self.ttl_s)
             p.execute()
@@ -108,9 +123,12 @@ class StateStore:
         if not h:
             return None
         return RequestRecord(
-            request_id=request_id, state=h.get("state", ""),
+            request_id=request_id,
+            state=h.get("state", ""),
             prompt_ids=json.loads(h.get("prompt_ids", "[]")),
-            sampling=json.loads(h.get("sampling", "{}")), tenant=h.get("tenant", ""),
-            finish_reason=h.get("finish_reason") or None, error=h.get("error") or None,
+            sampling=json.loads(h.get("sampling", "{}")),
+            tenant=h.get("tenant", ""),
+            finish_reason=h.get("finish_reason") or None,
+            error=h.get("error") or None,
             attempts=int(h.get("attempts", 0)),
         )

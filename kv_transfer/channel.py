@@ -59,10 +59,15 @@ class StagingBuffers:
         numel = 1
         for d in shape:
             numel *= d
-        if (len(self._flat) != layout.num_layers or self._flat[0].numel() < numel
-                or self._flat[0].dtype != layout.torch_dtype):
-            self._flat = [torch.empty(numel, dtype=layout.torch_dtype, device=device)
-                          for _ in range(layout.num_layers)]
+        if (
+            len(self._flat) != layout.num_layers
+            or self._flat[0].numel() < numel
+            or self._flat[0].dtype != layout.torch_dtype
+        ):
+            self._flat = [
+                torch.empty(numel, dtype=layout.torch_dtype, device=device)
+                for _ in range(layout.num_layers)
+            ]
         return [f[:numel].view(shape) for f in self._flat]
 
 
@@ -83,9 +88,15 @@ def send_kv(channel: KVChannel, desc: TransferDescriptor, layers, timeout_s: flo
         raise TransferError(f"receiver refused the KV of {desc.request_id} (status {ack.item()})")
 
 
-def recv_kv(channel: KVChannel, layout: KVLayout, timeout_s: float,
-            device: torch.device | str = "cpu", accept=None, staging: StagingBuffers | None = None,
-            on_layer=None) -> tuple[TransferDescriptor, list]:
+def recv_kv(
+    channel: KVChannel,
+    layout: KVLayout,
+    timeout_s: float,
+    device: torch.device | str = "cpu",
+    accept=None,
+    staging: StagingBuffers | None = None,
+    on_layer=None,
+) -> tuple[TransferDescriptor, list]:
     """Receiver side: read the header, check it against our layout (and `accept(desc)`, which
     may refuse a request it does not expect), read the layers, ack.
 
@@ -98,16 +109,21 @@ def recv_kv(channel: KVChannel, layout: KVLayout, timeout_s: float,
     if staging is not None:
         layers = staging.get(layout, desc.num_blocks, device)
     else:
-        layers = [torch.empty(layout.layer_shape(desc.num_blocks), dtype=layout.torch_dtype,
-                              device=device) for _ in range(layout.num_layers)]
+        layers = [
+            torch.empty(
+                layout.layer_shape(desc.num_blocks), dtype=layout.torch_dtype, device=device
+            )
+            for _ in range(layout.num_layers)
+        ]
     ok = accept is None or accept(desc)
     handles = [channel.post_recv(t) for t in layers]
     for i, h in enumerate(handles):
         channel.wait(h, timeout_s)
         if ok and on_layer is not None:
             on_layer(i, layers[i])
-    channel.send([torch.tensor([ACK_OK if ok else ACK_REFUSED], dtype=torch.int64,
-                               device=device)], timeout_s)
+    channel.send(
+        [torch.tensor([ACK_OK if ok else ACK_REFUSED], dtype=torch.int64, device=device)], timeout_s
+    )
     if not ok:
         raise TransferError(f"refused KV for {desc.request_id}: no reservation matches it")
     return desc, layers

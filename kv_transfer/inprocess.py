@@ -41,8 +41,10 @@ class InProcessChannel(KVChannel):
             raise TransferError(f"no data from the peer within {timeout_s:.1f} s") from None
         if got.shape != handle.shape or got.dtype != handle.dtype:
             self._closed = True
-            raise TransferError(f"peer sent {tuple(got.shape)} {got.dtype}, "
-                                f"expected {tuple(handle.shape)} {handle.dtype}")
+            raise TransferError(
+                f"peer sent {tuple(got.shape)} {got.dtype}, "
+                f"expected {tuple(handle.shape)} {handle.dtype}"
+            )
         with torch.no_grad():
             handle.copy_(got)
 

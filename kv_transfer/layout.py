@@ -39,8 +39,11 @@ class KVLayout:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def check_compatible(self, other: KVLayout) -> None:
-        diffs = [f"{k}: {a!r} here, {b!r} there"
-                 for (k, a), b in zip(asdict(self).items(), asdict(other).values()) if a != b]
+        diffs = [
+            f"{k}: {a!r} here, {b!r} there"
+            for (k, a), b in zip(asdict(self).items(), asdict(other).values())
+            if a != b
+        ]
         if diffs:
             raise LayoutMismatch("KV layouts differ (" + "; ".join(diffs) + ")")
 

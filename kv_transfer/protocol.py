@@ -51,8 +51,19 @@ class TransferDescriptor:
 
     def encode(self) -> torch.Tensor:
         lay = self.layout
-        fixed = [MAGIC, VERSION, lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size,
-                 DTYPE_CODES[lay.dtype], self.num_blocks, self.num_tokens, self.first_token, 0]
+        fixed = [
+            MAGIC,
+            VERSION,
+            lay.num_layers,
+            lay.num_kv_heads,
+            lay.head_dim,
+            lay.block_size,
+            DTYPE_CODES[lay.dtype],
+            self.num_blocks,
+            self.num_tokens,
+            self.first_token,
+            0,
+        ]
         rid = self.request_id.encode().ljust(_ID_BYTES, b"\0")
         packed = torch.frombuffer(bytearray(rid), dtype=torch.int64)
         return torch.cat([torch.tensor(fixed, dtype=torch.int64), packed])

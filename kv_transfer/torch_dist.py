@@ -24,14 +24,16 @@ log = logging.getLogger(__name__)
 
 def store_server(host: str) -> dist.TCPStore:
     """The decode worker's rendezvous store, on an ephemeral port (read `.port`)."""
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=30))
+    return dist.TCPStore(
+        host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
 
 
 def store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     try:
-        return dist.TCPStore(host, port, is_master=False,
-                             timeout=datetime.timedelta(seconds=timeout_s))
+        return dist.TCPStore(
+            host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+        )
     except Exception as e:
         raise TransferError(f"cannot reach the KV rendezvous store at {host}:{port}: {e}") from e
 
@@ -39,8 +41,15 @@ def store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
 class PairGroup(KVChannel):
     """Rank 0 is the prefill worker, rank 1 the decode worker."""
 
-    def __init__(self, store: dist.Store, prefix: str, rank: int, device: torch.device,
-                 bind_host: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        prefix: str,
+        rank: int,
+        device: torch.device,
+        bind_host: str,
+        timeout_s: float,
+    ) -> None:
         self.prefix, self.rank, self.device = prefix, rank, device
         self.peer = 1 - rank
         self._closed = False
@@ -55,8 +64,9 @@ class PairGroup(KVChannel):
                 opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
                 self.pg = dist.ProcessGroupGloo(pstore, rank, 2, opts)
         except Exception as e:
-            raise TransferError(f"pair group {prefix} did not form within {timeout_s:.0f} s: "
-                                f"{e}") from e
+            raise TransferError(
+                f"pair group {prefix} did not form within {timeout_s:.0f} s: {e}"
+            ) from e
 
     @property
     def backend(self) -> str:

@@ -15,10 +15,16 @@ from workers.offline import Completion, GenerationRequest
 
 def to_proto(req: GenerationRequest, request_id: str = "") -> pb.GenerateRequest:
     sp: SamplingParams = req.sampling
-    sampling = pb.SamplingParams(max_tokens=sp.max_tokens, temperature=sp.temperature,
-                                 top_p=sp.top_p, top_k=sp.top_k, stop=list(sp.stop),
-                                 stop_token_ids=list(sp.stop_token_ids),
-                                 ignore_eos=sp.ignore_eos, logprobs=sp.logprobs)
+    sampling = pb.SamplingParams(
+        max_tokens=sp.max_tokens,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        stop=list(sp.stop),
+        stop_token_ids=list(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+        logprobs=sp.logprobs,
+    )
     if sp.seed is not None:
         sampling.seed = sp.seed
     msg = pb.GenerateRequest(request_id=request_id, sampling=sampling, priority=req.priority)
@@ -42,9 +48,17 @@ class StreamResult:
     token_times: list[float] = field(default_factory=list)  # seconds since submission
 
     def completion(self, index: int) -> Completion:
-        return Completion(index, self.request_id, [], self.token_ids, self.text,
-                          self.finish_reason or ("error" if self.status != "OK" else None),
-                          self.error, self.ttft_s, self.e2e_s)
+        return Completion(
+            index,
+            self.request_id,
+            [],
+            self.token_ids,
+            self.text,
+            self.finish_reason or ("error" if self.status != "OK" else None),
+            self.error,
+            self.ttft_s,
+            self.e2e_s,
+        )
 
 
 class TandemClient:
@@ -57,8 +71,9 @@ class TandemClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def generate(self, msg: pb.GenerateRequest, timeout_s: float | None = None,
-                       on_chunk=None) -> StreamResult:
+    async def generate(
+        self, msg: pb.GenerateRequest, timeout_s: float | None = None, on_chunk=None
+    ) -> StreamResult:
         res = StreamResult(request_id=msg.request_id)
         t0 = time.perf_counter()
         call = self.gen.Generate(msg, timeout=timeout_s, metadata=self.metadata)
@@ -84,8 +99,9 @@ class TandemClient:
         return res
 
     async def cancel(self, request_id: str) -> bool:
-        r = await self.gen.Cancel(pb.CancelRequest(request_id=request_id), timeout=30,
-                                  metadata=self.metadata)
+        r = await self.gen.Cancel(
+            pb.CancelRequest(request_id=request_id), timeout=30, metadata=self.metadata
+        )
         return r.found
 
     async def status(self) -> pb.StatusResponse:
@@ -94,10 +110,24 @@ class TandemClient:
 
 def status_to_dict(s: pb.StatusResponse) -> dict:
     def worker(w):
-        return {"name": w.name, "pid": w.pid, "node": w.node, "alive": w.alive,
-                "kv_blocks_total": w.kv_blocks_total, "kv_blocks_free": w.kv_blocks_free,
-                "running": w.running, "waiting": w.waiting, "draining": w.draining}
+        return {
+            "name": w.name,
+            "pid": w.pid,
+            "node": w.node,
+            "alive": w.alive,
+            "kv_blocks_total": w.kv_blocks_total,
+            "kv_blocks_free": w.kv_blocks_free,
+            "running": w.running,
+            "waiting": w.waiting,
+            "draining": w.draining,
+        }
 
-    return {"prefill": [worker(w) for w in s.prefill], "decode": [worker(w) for w in s.decode],
-            "router": {"queue_depth": s.router.queue_depth, "in_flight": s.router.in_flight,
-                       "mode": s.router.mode}}
+    return {
+        "prefill": [worker(w) for w in s.prefill],
+        "decode": [worker(w) for w in s.decode],
+        "router": {
+            "queue_depth": s.router.queue_depth,
+            "in_flight": s.router.in_flight,
+            "mode": s.router.mode,
+        },
+    }

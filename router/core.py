@@ -46,8 +46,15 @@ class RouterConfig:
 
 
 class Router:
-    def __init__(self, pools: PoolManager, tokenizer, block_size: int, state=None,
-                 config: RouterConfig = RouterConfig(), mode: str = "disaggregated") -> None:
+    def __init__(
+        self,
+        pools: PoolManager,
+        tokenizer,
+        block_size: int,
+        state=None,
+        config: RouterConfig = RouterConfig(),
+        mode: str = "disaggregated",
+    ) -> None:
         self.pools = pools
         self.mode = mode
         self.tokenizer = tokenizer
@@ -107,7 +114,7 @@ class Router:
             for w in self.pools.members(pool):
                 try:
                     s = await asyncio.wait_for(w.handle.status.remote(), self.config.rpc_timeout_s)
-                except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+                except (TimeoutError, ray.exceptions.RayActorError):
                     self.pools.mark_dead(w.name)
                     continue
                 load = self.loads.setdefault(w.name, WorkerLoad(w.name))
@@ -138,12 +145,18 @@ class Router:
         if adm.request_id in self.streams:
             raise RouterError("ALREADY_EXISTS", f"request {adm.request_id} is already running")
         if self.queue_depth >= self.config.max_queue:
-            raise RouterError("RESOURCE_EXHAUSTED", f"the admission queue is full "
-                              f"({self.queue_depth} waiting); retry later")
+            raise RouterError(
+                "RESOURCE_EXHAUSTED",
+                f"the admission queue is full ({self.queue_depth} waiting); retry later",
+            )
         needs_prefill = self.mode == "disaggregated"
-        if (needs_prefill and not self.pools.members("prefill")) or not self.pools.members("decode"):
-            raise RouterError("UNAVAILABLE", "no live prefill or decode worker; "
-                              "check `tandem status` and scale the empty pool")
+        if (needs_prefill and not self.pools.members("prefill")) or not self.pools.members(
+            "decode"
+        ):
+            raise RouterError(
+                "UNAVAILABLE",
+                "no live prefill or decode worker; check `tandem status` and scale the empty pool",
+            )
         self.queue_depth += 1
         try:
             await self.slots.acquire()
@@ -183,8 +196,9 @@ class Router:
         job = {**self._job(adm), "decode": decode.info}
         self.loads[prefill.name].queued_tokens += len(adm.prompt_ids)
         try:
-            first = await asyncio.wait_for(prefill.handle.prefill.remote(job),
-                                           self.config.prefill_timeout_s + 5)
+            first = await asyncio.wait_for(
+                prefill.handle.prefill.remote(job), self.config.prefill_timeout_s + 5
+            )
         except ray.exceptions.RayActorError:
             self.pools.mark_dead(prefill.name)
             raise RouterError("UNAVAILABLE", f"{prefill.name} died during prefill") from None
@@ -198,8 +212,11 @@ class Router:
             stream.put(Event(0, [first["first_token"]], lp))
 
     async def _dispatch_colocated(self, adm: Admission, stream: RequestStream) -> None:
-        loads = [self.loads[w.name] for w in self.pools.members("decode")
-                 if w.name in self.loads and not w.draining]
+        loads = [
+            self.loads[w.name]
+            for w in self.pools.members("decode")
+            if w.name in self.loads and not w.draining
+        ]
         for load in self.policy.decode_candidates(loads):
             w = self.pools.get(load.name)
             if w is None:
@@ -207,9 +224,10 @@ class Router:
             stream.decode_worker = w.name
             self._assign(adm, worker=w.name)
             try:
-                await asyncio.wait_for(w.handle.submit.remote(self._job(adm)),
-                                       self.config.rpc_timeout_s)
-            except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+                await asyncio.wait_for(
+                    w.handle.submit.remote(self._job(adm)), self.config.rpc_timeout_s
+                )
+            except (TimeoutError, ray.exceptions.RayActorError):
                 self.pools.mark_dead(w.name)
                 continue
             load.running += 1
@@ -218,8 +236,13 @@ class Router:
 
     @staticmethod
     def _job(adm: Admission) -> dict:
-        return {"request_id": adm.request_id, "prompt_ids": adm.prompt_ids,
-                "sampling": adm.sampling_dict, "seed": adm.seed, "priority": adm.priority}
+        return {
+            "request_id": adm.request_id,
+            "prompt_ids": adm.prompt_ids,
+            "sampling": adm.sampling_dict,
+            "seed": adm.seed,
+            "priority": adm.priority,
+        }
 
     async def cancel(self, request_id: str) -> bool:
         s = self.streams.get(request_id)
@@ -237,17 +260,21 @@ class Router:
                 calls.append(w.handle.cancel.remote(s.request_id))
         if calls:
             try:
-                await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True),
-                                       self.config.rpc_timeout_s)
-            except asyncio.TimeoutError:
+                await asyncio.wait_for(
+                    asyncio.gather(*calls, return_exceptions=True), self.config.rpc_timeout_s
+                )
+            except TimeoutError:
                 log.warning("cancel of %s timed out", s.request_id)
 
     async def _reserve(self, adm: Admission) -> WorkerRef:
         """Decode allocates first: find a decode worker with room for the prompt's blocks."""
         deadline = time.monotonic() + self.config.reserve_timeout_s
         while True:
-            loads = [self.loads[w.name] for w in self.pools.members("decode")
-                     if w.name in self.loads and not w.draining]
+            loads = [
+                self.loads[w.name]
+                for w in self.pools.members("decode")
+                if w.name in self.loads and not w.draining
+            ]
             if not loads:
                 raise RouterError("UNAVAILABLE", "no live decode worker")
             for load in self.policy.decode_candidates(loads):
@@ -257,8 +284,9 @@ class Router:
                 try:
                     blocks = await asyncio.wait_for(
                         w.handle.reserve.remote(adm.request_id, len(adm.prompt_ids)),
-                        self.config.rpc_timeout_s)
-                except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+                        self.config.rpc_timeout_s,
+                    )
+                except (TimeoutError, ray.exceptions.RayActorError):
                     self.pools.mark_dead(w.name)
                     continue
                 if blocks is not None:
@@ -266,14 +294,20 @@ class Router:
                     load.running += 1
                     return w
             if time.monotonic() > deadline:
-                raise RouterError("RESOURCE_EXHAUSTED", "no decode worker has room for this "
-                                  f"prompt ({len(adm.prompt_ids)} tokens) after "
-                                  f"{self.config.reserve_timeout_s:.0f} s; retry later")
+                raise RouterError(
+                    "RESOURCE_EXHAUSTED",
+                    "no decode worker has room for this "
+                    f"prompt ({len(adm.prompt_ids)} tokens) after "
+                    f"{self.config.reserve_timeout_s:.0f} s; retry later",
+                )
             await asyncio.sleep(0.05)
 
     def _pick_prefill(self, adm: Admission) -> WorkerRef:
-        loads = [self.loads[w.name] for w in self.pools.members("prefill")
-                 if w.name in self.loads and not w.draining]
+        loads = [
+            self.loads[w.name]
+            for w in self.pools.members("prefill")
+            if w.name in self.loads and not w.draining
+        ]
         choice = self.policy.pick_prefill(loads, adm.prompt_ids)
         w = self.pools.get(choice.name) if choice else None
         if w is None:
@@ -283,8 +317,13 @@ class Router:
     # -- Redis bookkeeping (best effort: Redis trouble is logged, never hangs a stream) -------
     def _record_new(self, adm: Admission) -> None:
         if self.state is not None:
-            if not self._redis(self.state.create, adm.request_id, adm.prompt_ids,
-                               {**adm.sampling_dict, "seed": adm.seed}, adm.tenant):
+            if not self._redis(
+                self.state.create,
+                adm.request_id,
+                adm.prompt_ids,
+                {**adm.sampling_dict, "seed": adm.seed},
+                adm.tenant,
+            ):
                 raise RouterError("ALREADY_EXISTS", f"request id {adm.request_id} was used before")
 
     def _assign(self, adm: Admission, **workers: str) -> None:
@@ -293,8 +332,11 @@ class Router:
             self._redis(self.state.transition, adm.request_id, "DECODING", ("QUEUED",))
 
     def _record_end(self, request_id: str, chunk: Chunk) -> None:
-        state = "FAILED" if chunk.finish_reason == "error" else (
-            "CANCELLED" if chunk.finish_reason == "cancelled" else "FINISHED")
+        state = (
+            "FAILED"
+            if chunk.finish_reason == "error"
+            else ("CANCELLED" if chunk.finish_reason == "cancelled" else "FINISHED")
+        )
         self._record_state(request_id, state, chunk.finish_reason or "", chunk.error or "")
 
     def _record_state(self, request_id: str, state: str, reason: str, error: str = "") -> None:

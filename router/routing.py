@@ -32,8 +32,13 @@ class WorkerLoad:
 
 
 class RoutingPolicy:
-    def __init__(self, block_size: int, affinity_slack_tokens: int = 2048,
-                 running_penalty_blocks: int = 4, affinity_entries: int = 4096) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        affinity_slack_tokens: int = 2048,
+        running_penalty_blocks: int = 4,
+        affinity_entries: int = 4096,
+    ) -> None:
         self.block_size = block_size
         self.affinity_slack = affinity_slack_tokens
         self.running_penalty = running_penalty_blocks

@@ -7,8 +7,8 @@ import asyncio
 import logging
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from google.protobuf.unknown_fields import UnknownFieldSet
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from router.api import tandem_pb2 as pb
@@ -24,8 +24,10 @@ def _check_auth(context, token: str | None) -> None:
         return
     meta = dict(context.invocation_metadata())
     if meta.get("authorization") != f"Bearer {token}":
-        raise RouterError("UNAUTHENTICATED", "missing or wrong bearer token "
-                          "(send metadata authorization: Bearer <token>)")
+        raise RouterError(
+            "UNAUTHENTICATED",
+            "missing or wrong bearer token (send metadata authorization: Bearer <token>)",
+        )
 
 
 class Malformed:
@@ -45,8 +47,10 @@ def _parse_strict(cls):
         if unknown:
             # Known numbers with the wrong wire type land here too: refuse rather than
             # silently dropping what the client meant.
-            return Malformed(f"{cls.__name__} has unknown or wrongly typed field number(s) "
-                             f"{unknown}; check the client against proto/tandem.proto")
+            return Malformed(
+                f"{cls.__name__} has unknown or wrongly typed field number(s) "
+                f"{unknown}; check the client against proto/tandem.proto"
+            )
         return msg
 
     return parse
@@ -56,17 +60,24 @@ def _add_generation(servicer: GenerationService, server) -> None:
     """Like the generated registration, but with strict request parsing."""
     rpcs = {
         "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, request_deserializer=_parse_strict(pb.GenerateRequest),
-            response_serializer=pb.GenerateResponse.SerializeToString),
+            servicer.Generate,
+            request_deserializer=_parse_strict(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
         "Cancel": grpc.unary_unary_rpc_method_handler(
-            servicer.Cancel, request_deserializer=_parse_strict(pb.CancelRequest),
-            response_serializer=pb.CancelResponse.SerializeToString),
+            servicer.Cancel,
+            request_deserializer=_parse_strict(pb.CancelRequest),
+            response_serializer=pb.CancelResponse.SerializeToString,
+        ),
         "Resume": grpc.unary_stream_rpc_method_handler(
-            servicer.Resume, request_deserializer=_parse_strict(pb.ResumeRequest),
-            response_serializer=pb.GenerateResponse.SerializeToString),
+            servicer.Resume,
+            request_deserializer=_parse_strict(pb.ResumeRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("tandem.v1.Generation", rpcs),))
+        (grpc.method_handlers_generic_handler("tandem.v1.Generation", rpcs),)
+    )
 
 
 def _reject_malformed(request) -> None:
@@ -79,8 +90,9 @@ async def _abort(context, e: RouterError) -> None:
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, router: Router, max_model_len: int, vocab_size: int,
-                 auth_token: str | None = None) -> None:
+    def __init__(
+        self, router: Router, max_model_len: int, vocab_size: int, auth_token: str | None = None
+    ) -> None:
         self.router = router
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -97,16 +109,25 @@ class GenerationService(pb_grpc.GenerationServicer):
             completion = 0
             async for chunk in self.router.generate(adm):
                 completion += len(chunk.token_ids)
-                msg = pb.GenerateResponse(request_id=adm.request_id, offset=chunk.offset,
-                                          token_ids=chunk.token_ids, text=chunk.text,
-                                          logprobs=chunk.logprobs)
+                msg = pb.GenerateResponse(
+                    request_id=adm.request_id,
+                    offset=chunk.offset,
+                    token_ids=chunk.token_ids,
+                    text=chunk.text,
+                    logprobs=chunk.logprobs,
+                )
                 if chunk.finished:
                     if chunk.error and chunk.error.startswith("UNAVAILABLE: "):
                         raise RouterError("UNAVAILABLE", chunk.error.removeprefix("UNAVAILABLE: "))
-                    msg.final.CopyFrom(pb.Final(
-                        finish_reason=chunk.finish_reason or "", error=chunk.error or "",
-                        usage=pb.Usage(prompt_tokens=len(adm.prompt_ids),
-                                       completion_tokens=completion)))
+                    msg.final.CopyFrom(
+                        pb.Final(
+                            finish_reason=chunk.finish_reason or "",
+                            error=chunk.error or "",
+                            usage=pb.Usage(
+                                prompt_tokens=len(adm.prompt_ids), completion_tokens=completion
+                            ),
+                        )
+                    )
                 yield msg
         except RouterError as e:
             await _abort(context, e)
@@ -135,9 +156,12 @@ class GenerationService(pb_grpc.GenerationServicer):
             final = None
             if rec.state in ("FINISHED", "FAILED", "CANCELLED"):
                 final = pb.Final(finish_reason=rec.finish_reason or "", error=rec.error or "")
-            msg = pb.GenerateResponse(request_id=rec.request_id, offset=request.offset,
-                                      token_ids=tokens,
-                                      text=self.router.tokenizer.decode(tokens))
+            msg = pb.GenerateResponse(
+                request_id=rec.request_id,
+                offset=request.offset,
+                token_ids=tokens,
+                text=self.router.tokenizer.decode(tokens),
+            )
             if final is not None:
                 msg.final.CopyFrom(final)
             yield msg
@@ -157,9 +181,13 @@ class AdminService(pb_grpc.AdminServicer):
         except RouterError as e:
             await _abort(context, e)
         pools = self.router.pools
-        out = pb.StatusResponse(router=pb.RouterStatus(
-            queue_depth=self.router.queue_depth, in_flight=len(self.router.streams),
-            mode=self.mode))
+        out = pb.StatusResponse(
+            router=pb.RouterStatus(
+                queue_depth=self.router.queue_depth,
+                in_flight=len(self.router.streams),
+                mode=self.mode,
+            )
+        )
         for pool, field in (("prefill", out.prefill), ("decode", out.decode)):
             for w in pools.members(pool, include_dead=True):
                 try:
@@ -177,7 +205,9 @@ class AdminService(pb_grpc.AdminServicer):
             if request.pool not in ("prefill", "decode"):
                 raise RouterError("INVALID_ARGUMENT", f"pool {request.pool!r}: prefill or decode")
             if request.replicas < 1:
-                raise RouterError("INVALID_ARGUMENT", "replicas must be >= 1 (a pool needs a worker)")
+                raise RouterError(
+                    "INVALID_ARGUMENT", "replicas must be >= 1 (a pool needs a worker)"
+                )
             names = await self.router.pools.scale(request.pool, request.replicas)
             return pb.ScaleResponse(workers=names)
         except RouterError as e:
@@ -194,16 +224,26 @@ class AdminService(pb_grpc.AdminServicer):
             await _abort(context, e)
 
 
-async def start_server(router: Router, port: int, max_model_len: int, vocab_size: int,
-                       mode: str, auth_token: str | None = None, host: str = "127.0.0.1"):
+async def start_server(
+    router: Router,
+    port: int,
+    max_model_len: int,
+    vocab_size: int,
+    mode: str,
+    auth_token: str | None = None,
+    host: str = "127.0.0.1",
+):
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     _add_generation(GenerationService(router, max_model_len, vocab_size, auth_token), server)
     pb_grpc.add_AdminServicer_to_server(AdminService(router, mode, auth_token), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (pb.DESCRIPTOR.services_by_name["Generation"].full_name,
-             pb.DESCRIPTOR.services_by_name["Admin"].full_name,
-             health.SERVICE_NAME, reflection.SERVICE_NAME)
+    names = (
+        pb.DESCRIPTOR.services_by_name["Generation"].full_name,
+        pb.DESCRIPTOR.services_by_name["Admin"].full_name,
+        health.SERVICE_NAME,
+        reflection.SERVICE_NAME,
+    )
     reflection.enable_server_reflection(names, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from workers.model.tokenizer import TextStream
 
-
 END_NOW = -1  # an Event offset that ends the stream at once (cancel, a dead worker)
 
 
@@ -25,8 +24,15 @@ class Event:
 
     @classmethod
     def from_dict(cls, d: dict) -> Event:
-        return cls(d["offset"], list(d["token_ids"]), d.get("logprobs"), d["finished"],
-                   d.get("finish_reason"), d.get("error"), d.get("text"))
+        return cls(
+            d["offset"],
+            list(d["token_ids"]),
+            d.get("logprobs"),
+            d["finished"],
+            d.get("finish_reason"),
+            d.get("error"),
+            d.get("text"),
+        )
 
 
 @dataclass
@@ -67,15 +73,30 @@ class RequestStream:
             return []
         if event.offset == END_NOW:
             self.finished = True
-            return [Chunk(self.next_offset, [], self.text.push([], None, True), [], True,
-                          event.finish_reason, event.error)]
+            return [
+                Chunk(
+                    self.next_offset,
+                    [],
+                    self.text.push([], None, True),
+                    [],
+                    True,
+                    event.finish_reason,
+                    event.error,
+                )
+            ]
         if event.offset < self.next_offset and event.token_ids:
             skip = self.next_offset - event.offset  # a replay overlapping what was sent
             if skip >= len(event.token_ids) and not event.finished:
                 return []
-            event = Event(self.next_offset, event.token_ids[skip:],
-                          event.logprobs[skip:] if event.logprobs else None, event.finished,
-                          event.finish_reason, event.error, event.text)
+            event = Event(
+                self.next_offset,
+                event.token_ids[skip:],
+                event.logprobs[skip:] if event.logprobs else None,
+                event.finished,
+                event.finish_reason,
+                event.error,
+                event.text,
+            )
         self._held.setdefault(event.offset, event)
         chunks = []
         while self.next_offset in self._held:
@@ -83,8 +104,17 @@ class RequestStream:
             delta = self.text.push(e.token_ids, e.text, e.finished)
             self.tokens += e.token_ids
             self.next_offset += len(e.token_ids)
-            chunks.append(Chunk(e.offset, e.token_ids, delta, e.logprobs or [], e.finished,
-                                e.finish_reason, e.error))
+            chunks.append(
+                Chunk(
+                    e.offset,
+                    e.token_ids,
+                    delta,
+                    e.logprobs or [],
+                    e.finished,
+                    e.finish_reason,
+                    e.error,
+                )
+            )
             if e.finished:
                 self.finished = True
                 break

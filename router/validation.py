@@ -44,23 +44,28 @@ def validate(msg: pb.GenerateRequest, tokenizer, max_model_len: int, vocab_size:
         ids = list(msg.prompt_ids)
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
-            raise InvalidRequest(f"prompt_ids: token {bad[0]} is outside the vocabulary "
-                                 f"[0, {vocab_size})")
+            raise InvalidRequest(
+                f"prompt_ids: token {bad[0]} is outside the vocabulary [0, {vocab_size})"
+            )
     elif msg.prompt.strip():
         ids = tokenizer.encode_chat(msg.prompt)
     else:
         raise InvalidRequest("prompt is empty: send a non-empty prompt or prompt_ids")
     if len(ids) >= max_model_len:
-        raise InvalidRequest(f"prompt has {len(ids)} tokens; the model's context is "
-                             f"{max_model_len} tokens, leaving no room to generate: shorten it")
+        raise InvalidRequest(
+            f"prompt has {len(ids)} tokens; the model's context is "
+            f"{max_model_len} tokens, leaving no room to generate: shorten it"
+        )
     s = msg.sampling
     max_tokens = s.max_tokens if s.HasField("max_tokens") else 16
     if max_tokens <= 0:
         raise InvalidRequest(f"sampling.max_tokens={max_tokens}: must be at least 1")
     if len(ids) + max_tokens > max_model_len:
-        raise InvalidRequest(f"sampling.max_tokens={max_tokens}: with a {len(ids)}-token prompt "
-                             f"it exceeds the model's context of {max_model_len} tokens "
-                             f"(at most {max_model_len - len(ids)})")
+        raise InvalidRequest(
+            f"sampling.max_tokens={max_tokens}: with a {len(ids)}-token prompt "
+            f"it exceeds the model's context of {max_model_len} tokens "
+            f"(at most {max_model_len - len(ids)})"
+        )
     temperature = s.temperature if s.HasField("temperature") else 1.0
     if not math.isfinite(temperature) or temperature < 0:
         raise InvalidRequest(f"sampling.temperature={temperature}: must be >= 0 (0 is greedy)")
@@ -73,8 +78,15 @@ def validate(msg: pb.GenerateRequest, tokenizer, max_model_len: int, vocab_size:
     if any(not x for x in s.stop):
         raise InvalidRequest("sampling.stop: stop strings must be non-empty")
     seed = s.seed if s.HasField("seed") else random.getrandbits(63)
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=float(temperature),
-                              top_p=float(top_p), top_k=top_k, seed=seed, stop=tuple(s.stop),
-                              stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                              logprobs=s.logprobs)
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=top_k,
+        seed=seed,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs,
+    )
     return Admission(rid, ids, sampling, seed, msg.priority, msg.tenant)

@@ -30,19 +30,34 @@ def _tiny(kind: str, base, tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, initializer_range=0.2,
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.2,
     )
     torch.manual_seed(0)
     if kind == "llama":
         cfg = LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10000.0)
         model = LlamaForCausalLM(cfg)
     elif kind == "llama3":
-        cfg = LlamaConfig(**common, tie_word_embeddings=False, rope_theta=500000.0,
-                          rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                        "original_max_position_embeddings": 64})
+        cfg = LlamaConfig(
+            **common,
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
         model = LlamaForCausalLM(cfg)
     else:
         cfg = Qwen2Config(**common, tie_word_embeddings=False, rope_theta=10000.0)

@@ -10,16 +10,23 @@ def hf_model(source, dtype=torch.float32):
 
     if source.is_gguf:
         return AutoModelForCausalLM.from_pretrained(
-            str(source.folder), gguf_file=source.path.name, dtype=dtype).eval()
+            str(source.folder), gguf_file=source.path.name, dtype=dtype
+        ).eval()
     return AutoModelForCausalLM.from_pretrained(str(source.path), dtype=dtype).eval()
 
 
 @torch.inference_mode()
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
     ids = torch.tensor([prompt_ids])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, eos_token_id=eos, pad_token_id=eos)
-    return out[0, len(prompt_ids):].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 @torch.inference_mode()
@@ -36,14 +43,20 @@ def engine_logits(engine, prompt_ids: list[int]) -> torch.Tensor:
     pool = engine.pool
     blocks = pool.allocate(-(-len(prompt_ids) // pool.block_size))
     try:
-        sched = ScheduledRequest("logits", list(prompt_ids), 0, blocks, True,
-                                 SamplingParams(temperature=0), 0, 0)
+        sched = ScheduledRequest(
+            "logits", list(prompt_ids), 0, blocks, True, SamplingParams(temperature=0), 0, 0
+        )
         runner = engine.runner
         out = SchedulerOutput(prefills=[sched])
         slots = runner._slots(blocks, 0, len(prompt_ids))
         meta = runner._metadata(out, slots)
-        hidden = runner.model(torch.tensor(prompt_ids), torch.arange(len(prompt_ids)),
-                              runner.kv_caches, runner.backend, meta)
+        hidden = runner.model(
+            torch.tensor(prompt_ids),
+            torch.arange(len(prompt_ids)),
+            runner.kv_caches,
+            runner.backend,
+            meta,
+        )
         return runner.model.compute_logits(hidden)
     finally:
         pool.free(blocks)

@@ -31,8 +31,14 @@ log = logging.getLogger(__name__)
 
 
 class DecodeWorker:
-    def __init__(self, name: str, engine_config: dict, redis_url: str | None = None,
-                 transfer_host: str = "127.0.0.1", transfer_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        engine_config: dict,
+        redis_url: str | None = None,
+        transfer_host: str = "127.0.0.1",
+        transfer_timeout_s: float = 10.0,
+    ) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {name}: %(message)s")
         self.name = name
         self.engine = build_engine(engine_config)
@@ -61,8 +67,13 @@ class DecodeWorker:
 
     # -- identity and status ----------------------------------------------------------------
     def info(self) -> dict:
-        return {"name": self.name, "host": self.transfer_host, "port": self.store.port,
-                "layout": self.layout.to_dict(), "block_size": self.layout.block_size}
+        return {
+            "name": self.name,
+            "host": self.transfer_host,
+            "port": self.store.port,
+            "layout": self.layout.to_dict(),
+            "block_size": self.layout.block_size,
+        }
 
     def status(self) -> dict:
         return self.loop.call(worker_status, self.name, self.engine, self.draining).result(10)
@@ -93,8 +104,14 @@ class DecodeWorker:
     def open_pair(self, prefill: str, generation: int, layout: dict) -> None:
         """Rank 1 of a new pair group with `prefill`; returns once both ranks have joined."""
         self.check_layout(prefill, layout)
-        group = PairGroup(self.store, f"pair/{prefill}/{generation}", 1, self.device,
-                          self.transfer_host, self.transfer_timeout_s)
+        group = PairGroup(
+            self.store,
+            f"pair/{prefill}/{generation}",
+            1,
+            self.device,
+            self.transfer_host,
+            self.transfer_timeout_s,
+        )
         with self._pair_lock:
             old = self.pairs.get(prefill)
             self.pairs[prefill] = (generation, group)
@@ -109,8 +126,13 @@ class DecodeWorker:
         try:
             if current is None or current[0] != generation:
                 raise TransferError(f"no pair group {prefill}/{generation} on {self.name}")
-            blocks = self.loop.call(lambda: list(self.engine.scheduler.kv.block_table(rid))
-                                    if rid in self.engine.scheduler.reserved else None).result(10)
+            blocks = self.loop.call(
+                lambda: (
+                    list(self.engine.scheduler.kv.block_table(rid))
+                    if rid in self.engine.scheduler.reserved
+                    else None
+                )
+            ).result(10)
             if blocks is None:
                 raise TransferError(f"{rid} has no reservation on {self.name}")
             with self._pair_lock:
@@ -119,10 +141,15 @@ class DecodeWorker:
             runner = self.engine.runner
             # Each layer goes straight into the reserved blocks as it lands; nothing reads
             # reserved blocks until the request is admitted below.
-            desc, _ = recv_kv(current[1], self.layout, self.transfer_timeout_s, self.device,
-                              accept=lambda d: d.request_id == rid and d.num_blocks <= len(blocks),
-                              staging=self.staging.setdefault(prefill, StagingBuffers()),
-                              on_layer=lambda i, t: runner.import_layer(i, blocks[: t.shape[1]], t))
+            desc, _ = recv_kv(
+                current[1],
+                self.layout,
+                self.transfer_timeout_s,
+                self.device,
+                accept=lambda d: d.request_id == rid and d.num_blocks <= len(blocks),
+                staging=self.staging.setdefault(prefill, StagingBuffers()),
+                on_layer=lambda i, t: runner.import_layer(i, blocks[: t.shape[1]], t),
+            )
             seconds = time.perf_counter() - t0
             if self._done_receiving(rid):
                 self.loop.call(self.engine.release, rid).result(10)
@@ -155,17 +182,32 @@ class DecodeWorker:
             self.state.append_tokens({rid: [first_token]})
         self._tokens_logged[rid] = 1
         out = self.engine.add_prefilled(
-            rid, admission["prompt_ids"], first_token,
-            sampling_from_dict(admission["sampling"]), admission["seed"],
-            admission.get("priority", 0), admission.get("first_logprob"))
+            rid,
+            admission["prompt_ids"],
+            first_token,
+            sampling_from_dict(admission["sampling"]),
+            admission["seed"],
+            admission.get("priority", 0),
+            admission.get("first_logprob"),
+        )
         if out is not None:
             self._on_outputs([out])
         return out
 
     def _fail_reserved(self, rid: str, message: str) -> None:
         if self.engine.release(rid):
-            self._publish([{"request_id": rid, "offset": 1, "token_ids": [], "finished": True,
-                            "finish_reason": "error", "error": message}])
+            self._publish(
+                [
+                    {
+                        "request_id": rid,
+                        "offset": 1,
+                        "token_ids": [],
+                        "finished": True,
+                        "finish_reason": "error",
+                        "error": message,
+                    }
+                ]
+            )
 
     def _drop_pair(self, prefill: str, generation: int) -> None:
         with self._pair_lock:
@@ -181,8 +223,9 @@ class DecodeWorker:
         rid = job["request_id"]
         self._tokens_logged[rid] = 0
         sampling = sampling_from_dict({**job["sampling"], "seed": job["seed"]})
-        self.loop.call(self.engine.add_request, job["prompt_ids"], sampling, rid,
-                       job.get("priority", 0)).result(10)
+        self.loop.call(
+            self.engine.add_request, job["prompt_ids"], sampling, rid, job.get("priority", 0)
+        ).result(10)
 
     def cancel(self, request_id: str) -> bool:
         with self._pair_lock:
@@ -199,11 +242,18 @@ class DecodeWorker:
             if o.new_token_ids:
                 batch[o.request_id] = o.new_token_ids
                 self._tokens_logged[o.request_id] = offset + len(o.new_token_ids)
-            events.append({"request_id": o.request_id, "offset": offset,
-                           "token_ids": o.new_token_ids, "logprobs": o.new_logprobs,
-                           "finished": o.finished,
-                           "finish_reason": o.finish_reason.value if o.finish_reason else None,
-                           "error": o.error, "text": o.text})
+            events.append(
+                {
+                    "request_id": o.request_id,
+                    "offset": offset,
+                    "token_ids": o.new_token_ids,
+                    "logprobs": o.new_logprobs,
+                    "finished": o.finished,
+                    "finish_reason": o.finish_reason.value if o.finish_reason else None,
+                    "error": o.error,
+                    "text": o.text,
+                }
+            )
             if o.finished:
                 self._tokens_logged.pop(o.request_id, None)
         if self.state is not None and batch:

@@ -1,7 +1,8 @@
 """The offline interface: run a list of requests through one in-process engine.
 
     llm = LLM(EngineConfig(dtype="bfloat16"))
-    for c in llm.generate([GenerationRequest(prompt="Hi!", sampling=SamplingParams(max_tokens=32))]):
+    request = GenerationRequest(prompt="Hi!", sampling=SamplingParams(max_tokens=32))
+    for c in llm.generate([request]):
         print(c.text, c.finish_reason)
 
 Times are seconds since the request was submitted: all requests are submitted at the start.
@@ -97,7 +98,9 @@ class LLM:
                 ids = self.encode(r)
                 rid = engine.add_request(ids, r.sampling, priority=r.priority)
             except ValueError as e:
-                c = Completion(i, f"rejected-{i}", [], finish_reason="error", error=str(e), e2e_s=0.0)
+                c = Completion(
+                    i, f"rejected-{i}", [], finish_reason="error", error=str(e), e2e_s=0.0
+                )
                 done.append(c)
                 if on_delta:
                     on_delta(i, "", True)
@@ -118,13 +121,18 @@ class LLM:
                     c.logprobs += out.new_logprobs
                 generated += len(out.new_token_ids)
                 if on_delta:
-                    on_delta(c.index, streams[out.request_id].push(out.new_token_ids, out.text,
-                                                                  out.finished), out.finished)
+                    on_delta(
+                        c.index,
+                        streams[out.request_id].push(out.new_token_ids, out.text, out.finished),
+                        out.finished,
+                    )
                 if out.finished:
                     c.e2e_s = now
                     c.finish_reason = out.finish_reason.value
                     c.error = out.error
-                    c.text = out.text if out.text is not None else self.tokenizer.decode(c.token_ids)
+                    c.text = (
+                        out.text if out.text is not None else self.tokenizer.decode(c.token_ids)
+                    )
                     done.append(c)
                     if on_progress:
                         on_progress(len(done), len(requests), generated)

@@ -42,8 +42,13 @@ class _Push:
 
 
 class PrefillWorker:
-    def __init__(self, name: str, engine_config: dict, transfer_host: str = "127.0.0.1",
-                 transfer_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        engine_config: dict,
+        transfer_host: str = "127.0.0.1",
+        transfer_timeout_s: float = 10.0,
+    ) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {name}: %(message)s")
         self.name = name
         self.engine = build_engine(engine_config)
@@ -77,16 +82,23 @@ class PrefillWorker:
         rid = job["request_id"]
         sp = sampling_from_dict(job["sampling"])
         # Prefill samples exactly one token, whatever ends the request later on decode.
-        first_only = SamplingParams(max_tokens=1, temperature=sp.temperature, top_p=sp.top_p,
-                                    top_k=sp.top_k, seed=job["seed"], ignore_eos=True,
-                                    logprobs=sp.logprobs)
+        first_only = SamplingParams(
+            max_tokens=1,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            seed=job["seed"],
+            ignore_eos=True,
+            logprobs=sp.logprobs,
+        )
         fut: Future = Future()
         self.first[rid] = fut
         self.jobs[rid] = job
         self.queued_tokens += len(job["prompt_ids"])
         try:
-            self.loop.call(self.engine.add_request, job["prompt_ids"], first_only, rid,
-                           job.get("priority", 0)).result(10)
+            self.loop.call(
+                self.engine.add_request, job["prompt_ids"], first_only, rid, job.get("priority", 0)
+            ).result(10)
             return fut.result(timeout_s)
         except Exception as e:
             self.loop.call(self.engine.abort, rid)
@@ -115,8 +127,9 @@ class PrefillWorker:
         n = -(-req.num_prompt_tokens // self.layout.block_size)
         blocks = list(block_ids[:n])
         self.engine.pool.hold(blocks)
-        desc = TransferDescriptor(req.request_id, self.layout, n, req.num_prompt_tokens,
-                                  req.output_token_ids[0])
+        desc = TransferDescriptor(
+            req.request_id, self.layout, n, req.num_prompt_tokens, req.output_token_ids[0]
+        )
         lp = req.output_logprobs[0] if req.output_logprobs else None
         push = _Push(job, blocks, desc, lp)
         self.pushes[req.request_id] = push
@@ -164,8 +177,9 @@ class _Sender:
         self.group: PairGroup | None = None
         self.generation = 0
         self.queue: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._run, daemon=True,
-                                       name=f"{owner.name}->{decode['name']}")
+        self.thread = threading.Thread(
+            target=self._run, daemon=True, name=f"{owner.name}->{decode['name']}"
+        )
         self.thread.start()
 
     def submit(self, push: _Push) -> None:
@@ -196,15 +210,20 @@ class _Sender:
         try:
             t0 = time.perf_counter()
             self._ensure_group(handle, timeout)
-            admission = {"request_id": rid, "prompt_ids": push.job["prompt_ids"],
-                         "sampling": push.job["sampling"], "seed": push.job["seed"],
-                         "priority": push.job.get("priority", 0),
-                         "first_logprob": push.first_logprob}
+            admission = {
+                "request_id": rid,
+                "prompt_ids": push.job["prompt_ids"],
+                "sampling": push.job["sampling"],
+                "seed": push.job["seed"],
+                "priority": push.job.get("priority", 0),
+                "first_logprob": push.first_logprob,
+            }
             ref = handle.receive_kv.remote(self.owner.name, self.generation, admission)
             runner = self.owner.engine.runner
             # Gathered layer by layer while earlier layers are on the wire.
-            layers = (runner.export_layer(i, push.blocks)
-                      for i in range(self.owner.layout.num_layers))
+            layers = (
+                runner.export_layer(i, push.blocks) for i in range(self.owner.layout.num_layers)
+            )
             send_kv(self.group, push.desc, layers, timeout)
             result = ray.get(ref, timeout=timeout + 5)
             if not result.get("ok"):
@@ -229,15 +248,22 @@ class _Sender:
         if self.group is not None:
             return
         # The handshake: a layout mismatch is refused here, before any group or bytes.
-        ray.get(handle.check_layout.remote(self.owner.name, self.owner.layout.to_dict()),
-                timeout=timeout)
+        ray.get(
+            handle.check_layout.remote(self.owner.name, self.owner.layout.to_dict()),
+            timeout=timeout,
+        )
         self.generation += 1
-        ref = handle.open_pair.remote(self.owner.name, self.generation,
-                                      self.owner.layout.to_dict())
+        ref = handle.open_pair.remote(self.owner.name, self.generation, self.owner.layout.to_dict())
         store = store_client(self.decode["host"], self.decode["port"], timeout)
         try:
-            group = PairGroup(store, f"pair/{self.owner.name}/{self.generation}", 0,
-                              self.owner.device, self.owner.transfer_host, timeout)
+            group = PairGroup(
+                store,
+                f"pair/{self.owner.name}/{self.generation}",
+                0,
+                self.owner.device,
+                self.owner.transfer_host,
+                timeout,
+            )
         except TransferError:
             ray.get(ref, timeout=timeout)  # surfaces a layout mismatch as the cause
             raise

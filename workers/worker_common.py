@@ -24,10 +24,17 @@ def sampling_from_dict(d: dict) -> SamplingParams:
 
 
 def sampling_to_dict(sp: SamplingParams) -> dict:
-    return {"max_tokens": sp.max_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
-            "top_k": sp.top_k, "seed": sp.seed, "stop": list(sp.stop),
-            "stop_token_ids": list(sp.stop_token_ids), "ignore_eos": sp.ignore_eos,
-            "logprobs": sp.logprobs}
+    return {
+        "max_tokens": sp.max_tokens,
+        "temperature": sp.temperature,
+        "top_p": sp.top_p,
+        "top_k": sp.top_k,
+        "seed": sp.seed,
+        "stop": list(sp.stop),
+        "stop_token_ids": list(sp.stop_token_ids),
+        "ignore_eos": sp.ignore_eos,
+        "logprobs": sp.logprobs,
+    }
 
 
 def node_address() -> str:

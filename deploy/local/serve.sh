@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Serves the default model (SmolLM2-135M-Instruct) from a fresh machine: install, then run.
-# Today this is the in-process engine (`tandem generate --offline`); arguments are passed on,
-# e.g.  bash deploy/local/serve.sh "Write a haiku about bees."
-#       bash deploy/local/serve.sh --requests benchmarks/workloads/offline_default.jsonl --json
+# Serves the default model (SmolLM2-135M-Instruct) from a fresh machine: install, then
+# `tandem up` (local Ray, embedded Redis, one prefill and one decode worker, the router on
+# 127.0.0.1:50051). Arguments go to `tandem up`, e.g. --prefill 2 --decode 2 --dtype bfloat16.
+# Stop with Ctrl-C or SIGTERM. Then, from another shell:
+#   tandem generate --address 127.0.0.1:50051 "Write a haiku about bees."
+#   tandem status --address 127.0.0.1:50051
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bash deploy/local/install.sh
-if [ "$#" = 0 ]; then set -- "Introduce yourself in two sentences."; fi
-exec tandem generate --offline --dtype bfloat16 "$@"
+exec tandem up --config deploy/local/cluster.yaml "$@"

@@ -14,13 +14,22 @@ OUT = Path(__file__).resolve().parent
 def generate(out_dir: Path) -> list[Path]:
     from grpc_tools import protoc
 
-    rc = protoc.main(["protoc", f"-I{PROTO.parent}", f"--python_out={out_dir}",
-                      f"--grpc_python_out={out_dir}", str(PROTO)])
+    rc = protoc.main(
+        [
+            "protoc",
+            f"-I{PROTO.parent}",
+            f"--python_out={out_dir}",
+            f"--grpc_python_out={out_dir}",
+            str(PROTO),
+        ]
+    )
     if rc != 0:
         raise RuntimeError(f"protoc failed on {PROTO} (exit {rc})")
     grpc_file = out_dir / "tandem_pb2_grpc.py"
     # protoc writes a top-level import; ours live inside the router.api package.
-    text = grpc_file.read_text().replace("import tandem_pb2 as", "from router.api import tandem_pb2 as")
+    text = grpc_file.read_text().replace(
+        "import tandem_pb2 as", "from router.api import tandem_pb2 as"
+    )
     grpc_file.write_text(text)
     return [out_dir / "tandem_pb2.py", grpc_file]
 

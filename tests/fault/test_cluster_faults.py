@@ -19,16 +19,26 @@ pytestmark = [pytest.mark.fault, pytest.mark.integration]
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir, tmp_path_factory):
-    h = ClusterHarness(ClusterConfig(model=str(tiny_llama_dir), port=0, dashboard=False,
-                                     num_kv_blocks=128, block_size=4, transfer_timeout_s=3,
-                                     data_dir=str(tmp_path_factory.mktemp("data"))))
+    h = ClusterHarness(
+        ClusterConfig(
+            model=str(tiny_llama_dir),
+            port=0,
+            dashboard=False,
+            num_kv_blocks=128,
+            block_size=4,
+            transfer_timeout_s=3,
+            data_dir=str(tmp_path_factory.mktemp("data")),
+        )
+    )
     yield h
     h.stop()
 
 
 def long_request():
-    return pb.GenerateRequest(prompt_ids=list(range(100, 120)), sampling=pb.SamplingParams(
-        max_tokens=480, temperature=0, ignore_eos=True))
+    return pb.GenerateRequest(
+        prompt_ids=list(range(100, 120)),
+        sampling=pb.SamplingParams(max_tokens=480, temperature=0, ignore_eos=True),
+    )
 
 
 def test_killed_decode_worker_ends_streams_with_unavailable_then_scale_recovers(cluster):
@@ -56,22 +66,46 @@ def test_killed_decode_worker_ends_streams_with_unavailable_then_scale_recovers(
     assert r.status == "UNAVAILABLE"
 
     async def scale():
-        return await cluster.client.admin.Scale(pb.ScaleRequest(pool="decode", replicas=1),
-                                                timeout=300)
+        return await cluster.client.admin.Scale(
+            pb.ScaleRequest(pool="decode", replicas=1), timeout=300
+        )
 
     assert list(cluster.run(scale(), timeout=330).workers) == ["decode-1"]
-    r = cluster.run(cluster.client.generate(pb.GenerateRequest(
-        prompt_ids=[5, 6, 7], sampling=pb.SamplingParams(max_tokens=4, temperature=0,
-                                                         ignore_eos=True)), timeout_s=60))
+    r = cluster.run(
+        cluster.client.generate(
+            pb.GenerateRequest(
+                prompt_ids=[5, 6, 7],
+                sampling=pb.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+            ),
+            timeout_s=60,
+        )
+    )
     assert r.status == "OK" and len(r.token_ids) == 4
 
 
 def test_tandem_up_serves_and_stops_on_sigterm(tiny_llama_dir, tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "up", "--model", str(tiny_llama_dir),
-         "--port", "0", "--no-dashboard", "--data-dir", str(tmp_path), "--block-size", "4",
-         "--kv-cache-gb", "0.05"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "cluster.cli",
+            "up",
+            "--model",
+            str(tiny_llama_dir),
+            "--port",
+            "0",
+            "--no-dashboard",
+            "--data-dir",
+            str(tmp_path),
+            "--block-size",
+            "4",
+            "--kv-cache-gb",
+            "0.05",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         address, deadline = None, time.monotonic() + 240
         while address is None and time.monotonic() < deadline:
@@ -82,9 +116,21 @@ def test_tandem_up_serves_and_stops_on_sigterm(tiny_llama_dir, tmp_path):
                     address = line.split()[3]
             assert proc.poll() is None, proc.stderr.read()
         assert address, "tandem up did not report its address"
-        gen = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--address",
-                              address, "--json", "hello"], capture_output=True, text=True,
-                             timeout=120)
+        gen = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "cluster.cli",
+                "generate",
+                "--address",
+                address,
+                "--json",
+                "hello",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert gen.returncode == 0, gen.stderr
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(90) == 0

@@ -10,9 +10,9 @@ import pytest
 import ray
 
 from workers.decode import DecodeWorker
+from workers.engine.request import SamplingParams
 from workers.prefill import PrefillWorker
 from workers.worker_common import sampling_to_dict
-from workers.engine.request import SamplingParams
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration]
 TIMEOUT = 3.0
@@ -20,20 +20,23 @@ TIMEOUT = 3.0
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_session():
-    ray.init(num_cpus=4, include_dashboard=False, namespace="tandem-fault-tests",
-             log_to_driver=False)
+    ray.init(
+        num_cpus=4, include_dashboard=False, namespace="tandem-fault-tests", log_to_driver=False
+    )
     yield
     ray.shutdown()
 
 
 def engine_cfg(folder, block_size=4):
-    return {"model": str(folder), "num_kv_blocks": 64, "block_size": block_size,
-            "num_threads": 1}
+    return {"model": str(folder), "num_kv_blocks": 64, "block_size": block_size, "num_threads": 1}
 
 
 def start(cls, name, folder, block_size=4):
-    kwargs = {"name": name, "engine_config": engine_cfg(folder, block_size),
-              "transfer_timeout_s": TIMEOUT}
+    kwargs = {
+        "name": name,
+        "engine_config": engine_cfg(folder, block_size),
+        "transfer_timeout_s": TIMEOUT,
+    }
     actor = ray.remote(cls).options(name=name, num_cpus=1, max_concurrency=16).remote(**kwargs)
     info = ray.get(actor.info.remote(), timeout=120)
     info["handle"] = actor
@@ -41,10 +44,14 @@ def start(cls, name, folder, block_size=4):
 
 
 def job(rid, decode_info, n=10):
-    return {"request_id": rid, "prompt_ids": list(range(100, 100 + n)),
-            "sampling": sampling_to_dict(SamplingParams(max_tokens=5, temperature=0,
-                                                        ignore_eos=True)),
-            "seed": 1, "priority": 0, "decode": decode_info}
+    return {
+        "request_id": rid,
+        "prompt_ids": list(range(100, 100 + n)),
+        "sampling": sampling_to_dict(SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)),
+        "seed": 1,
+        "priority": 0,
+        "decode": decode_info,
+    }
 
 
 def drain_events(decode, rid, timeout=30):

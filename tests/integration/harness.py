@@ -34,8 +34,9 @@ class ClusterHarness:
 
     def generate_many(self, requests: list[GenerationRequest], timeout_s: float = 300):
         async def all_of():
-            return await asyncio.gather(*[self.client.generate(to_proto(r), timeout_s=timeout_s)
-                                          for r in requests])
+            return await asyncio.gather(
+                *[self.client.generate(to_proto(r), timeout_s=timeout_s) for r in requests]
+            )
 
         return self.run(all_of(), timeout=timeout_s + 30)
 
@@ -68,8 +69,9 @@ class ClusterHarness:
 
 
 def greedy(prompt: str, max_tokens: int, **kw) -> GenerationRequest:
-    return GenerationRequest(prompt=prompt, sampling=SamplingParams(
-        max_tokens=max_tokens, temperature=0, **kw))
+    return GenerationRequest(
+        prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
+    )
 
 
 CHATS = [

@@ -20,8 +20,14 @@ REQUESTS = [greedy(c, 24 + 4 * i) for i, c in enumerate(CHATS * 2)]  # 16 concur
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    h = ClusterHarness(ClusterConfig(port=0, dashboard=False, num_kv_blocks=256,
-                                     data_dir=str(tmp_path_factory.mktemp("data"))))
+    h = ClusterHarness(
+        ClusterConfig(
+            port=0,
+            dashboard=False,
+            num_kv_blocks=256,
+            data_dir=str(tmp_path_factory.mktemp("data")),
+        )
+    )
     yield h
     h.stop()
 
@@ -60,8 +66,9 @@ def test_resume_replays_from_an_offset(cluster):
 
     async def resume():
         out = []
-        async for m in cluster.client.gen.Resume(pb.ResumeRequest(request_id=r.request_id,
-                                                                  offset=3)):
+        async for m in cluster.client.gen.Resume(
+            pb.ResumeRequest(request_id=r.request_id, offset=3)
+        ):
             out.append(m)
         return out
 
@@ -71,9 +78,10 @@ def test_resume_replays_from_an_offset(cluster):
 
 def test_cancel_mid_stream_frees_blocks_on_both_workers(cluster):
     async def go():
-        msg = pb.GenerateRequest(prompt="Write a very long essay about the ocean.",
-                                 sampling=pb.SamplingParams(max_tokens=400, temperature=0,
-                                                            ignore_eos=True))
+        msg = pb.GenerateRequest(
+            prompt="Write a very long essay about the ocean.",
+            sampling=pb.SamplingParams(max_tokens=400, temperature=0, ignore_eos=True),
+        )
         call = cluster.client.gen.Generate(msg)
         got, final = 0, None
         async for m in call:
@@ -92,26 +100,30 @@ def test_cancel_mid_stream_frees_blocks_on_both_workers(cluster):
 
 
 def test_client_deadline_frees_blocks(cluster):
-    [r] = cluster.generate_many([greedy("Write a very long essay about mountains.", 400,
-                                        ignore_eos=True)], timeout_s=1.5)
+    [r] = cluster.generate_many(
+        [greedy("Write a very long essay about mountains.", 400, ignore_eos=True)], timeout_s=1.5
+    )
     assert r.status == "DEADLINE_EXCEEDED"
     s = cluster.wait_all_free()
     for w in s["prefill"] + s["decode"]:
         assert w["kv_blocks_free"] == w["kv_blocks_total"], w
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    (dict(prompt=""), "prompt is empty"),
-    (dict(prompt="hi", prompt_ids=[1, 2]), "either prompt or prompt_ids"),
-    (dict(prompt_ids=[1] * 9000), "model's context is 8192"),
-    (dict(prompt_ids=[10**6]), "outside the vocabulary"),
-    (dict(prompt="hi", sampling=pb.SamplingParams(max_tokens=0)), "max_tokens=0"),
-    (dict(prompt="hi", sampling=pb.SamplingParams(max_tokens=9000)), "exceeds the model's"),
-    (dict(prompt="hi", sampling=pb.SamplingParams(temperature=-0.5)), "temperature=-0.5"),
-    (dict(prompt="hi", sampling=pb.SamplingParams(top_p=0.0)), "top_p=0.0"),
-    (dict(prompt="hi", sampling=pb.SamplingParams(top_p=1.5)), "top_p=1.5"),
-    (dict(prompt="hi", request_id="bad id!"), "request_id"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(prompt=""), "prompt is empty"),
+        (dict(prompt="hi", prompt_ids=[1, 2]), "either prompt or prompt_ids"),
+        (dict(prompt_ids=[1] * 9000), "model's context is 8192"),
+        (dict(prompt_ids=[10**6]), "outside the vocabulary"),
+        (dict(prompt="hi", sampling=pb.SamplingParams(max_tokens=0)), "max_tokens=0"),
+        (dict(prompt="hi", sampling=pb.SamplingParams(max_tokens=9000)), "exceeds the model's"),
+        (dict(prompt="hi", sampling=pb.SamplingParams(temperature=-0.5)), "temperature=-0.5"),
+        (dict(prompt="hi", sampling=pb.SamplingParams(top_p=0.0)), "top_p=0.0"),
+        (dict(prompt="hi", sampling=pb.SamplingParams(top_p=1.5)), "top_p=1.5"),
+        (dict(prompt="hi", request_id="bad id!"), "request_id"),
+    ],
+)
 def test_bad_input_gets_invalid_argument(cluster, kwargs, fragment):
     msg = pb.GenerateRequest(**kwargs)
     r = cluster.run(cluster.client.generate(msg, timeout_s=30))
@@ -121,8 +133,10 @@ def test_bad_input_gets_invalid_argument(cluster, kwargs, fragment):
 def test_wrongly_typed_field_gets_invalid_argument(cluster):
     async def raw():
         call = cluster.client.channel.unary_stream(
-            "/tandem.v1.Generation/Generate", request_serializer=lambda b: b,
-            response_deserializer=pb.GenerateResponse.FromString)
+            "/tandem.v1.Generation/Generate",
+            request_serializer=lambda b: b,
+            response_deserializer=pb.GenerateResponse.FromString,
+        )
         # field 5 (priority, an int) sent as a string
         try:
             async for _ in call(b"\x12\x02hi" + b"\x2a\x03abc", timeout=10):
@@ -143,26 +157,61 @@ def test_health_reflection_and_status_cli(cluster):
         return r.status
 
     assert cluster.run(check()) == 1  # SERVING
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--address",
-                           cluster.address, "--json"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "status", "--address", cluster.address, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     s = json.loads(proc.stdout)
     assert [w["name"] for w in s["prefill"]] == ["prefill-0"]
     assert [w["name"] for w in s["decode"]] == ["decode-0"]
     for w in s["prefill"] + s["decode"]:
-        assert set(w) >= {"name", "pid", "node", "alive", "kv_blocks_total", "kv_blocks_free",
-                          "running", "waiting"} and w["alive"] and w["pid"] > 0
+        assert (
+            set(w)
+            >= {
+                "name",
+                "pid",
+                "node",
+                "alive",
+                "kv_blocks_total",
+                "kv_blocks_free",
+                "running",
+                "waiting",
+            }
+            and w["alive"]
+            and w["pid"] > 0
+        )
     assert s["router"]["mode"] == "disaggregated" and "queue_depth" in s["router"]
 
 
 def test_generate_cli_against_the_cluster(cluster, tmp_path, reference):
     f = tmp_path / "r.jsonl"
-    f.write_text("".join(json.dumps({"prompt": r.prompt, "max_tokens": r.sampling.max_tokens,
-                                     "temperature": 0}) + "\n" for r in REQUESTS[:3]))
+    f.write_text(
+        "".join(
+            json.dumps({"prompt": r.prompt, "max_tokens": r.sampling.max_tokens, "temperature": 0})
+            + "\n"
+            for r in REQUESTS[:3]
+        )
+    )
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--address",
-                           cluster.address, "--requests", str(f), "--json"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cluster.cli",
+            "generate",
+            "--address",
+            cluster.address,
+            "--requests",
+            str(f),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(x) for x in proc.stdout.splitlines()]
     assert [x["index"] for x in lines] == [0, 1, 2]

@@ -17,9 +17,18 @@ def reference():
 
 @pytest.mark.parametrize("mode, prefill, decode", [("disaggregated", 2, 2), ("colocated", 0, 2)])
 def test_greedy_streams_equal_the_offline_engine(tmp_path, reference, mode, prefill, decode):
-    h = ClusterHarness(ClusterConfig(port=0, dashboard=False, num_kv_blocks=256, mode=mode,
-                                     prefill=max(prefill, 1), decode=decode,
-                                     cpus_per_worker=0.5, data_dir=str(tmp_path)))
+    h = ClusterHarness(
+        ClusterConfig(
+            port=0,
+            dashboard=False,
+            num_kv_blocks=256,
+            mode=mode,
+            prefill=max(prefill, 1),
+            decode=decode,
+            cpus_per_worker=0.5,
+            data_dir=str(tmp_path),
+        )
+    )
     try:
         results = h.generate_many(REQUESTS)
         for r, want in zip(results, reference):
@@ -35,8 +44,10 @@ def test_greedy_streams_equal_the_offline_engine(tmp_path, reference, mode, pref
         from cluster.state import StateStore
 
         store: StateStore = router.state
-        used = {store.r.hget(store.key(r.request_id), "decode" if mode == "disaggregated"
-                             else "worker") for r in results}
+        used = {
+            store.r.hget(store.key(r.request_id), "decode" if mode == "disaggregated" else "worker")
+            for r in results
+        }
         assert used == {"decode-0", "decode-1"}
         if mode == "disaggregated":
             used_p = {store.r.hget(store.key(r.request_id), "prefill") for r in results}

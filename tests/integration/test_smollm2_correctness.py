@@ -37,8 +37,14 @@ def shared():
     ref = hf_model(first.source)
     eos = first.tokenizer.eos_token_id
     expected = [hf_greedy(ref, p, MAX_NEW, eos) for p in prompts]
-    return {"first": first, "model": model, "tok": first.tokenizer, "prompts": prompts,
-            "expected": expected, "ref": ref}
+    return {
+        "first": first,
+        "model": model,
+        "tok": first.tokenizer,
+        "prompts": prompts,
+        "expected": expected,
+        "ref": ref,
+    }
 
 
 def engine_with(shared, **kw):
@@ -63,12 +69,15 @@ def test_greedy_singly_matches_transformers(shared):
         assert run_engine(engine, [p], GREEDY)[0] == want
 
 
-@pytest.mark.parametrize("name, kw", [
-    ("batched mixed lengths", {}),
-    ("chunked prefill by 16", {"prefill_chunk_size": 16, "max_num_batched_tokens": 64}),
-    ("chunked prefill off", {"enable_chunked_prefill": False}),
-    ("no prefix cache", {"enable_prefix_caching": False}),
-])
+@pytest.mark.parametrize(
+    "name, kw",
+    [
+        ("batched mixed lengths", {}),
+        ("chunked prefill by 16", {"prefill_chunk_size": 16, "max_num_batched_tokens": 64}),
+        ("chunked prefill off", {"enable_chunked_prefill": False}),
+        ("no prefix cache", {"enable_prefix_caching": False}),
+    ],
+)
 def test_greedy_batched_matches_transformers(shared, name, kw):
     engine = engine_with(shared, **kw)
     assert run_engine(engine, shared["prompts"], GREEDY) == shared["expected"], name
@@ -95,13 +104,31 @@ def test_greedy_with_prefix_cache_hits(shared):
 
 def test_cli_offline_json(shared, tmp_path):
     reqs = tmp_path / "r.jsonl"
-    reqs.write_text("".join(json.dumps({"prompt": c, "max_tokens": MAX_NEW, "temperature": 0})
-                            + "\n" for c in CHATS[:3])
-                    + json.dumps({"prompt_ids": shared["prompts"][3], "max_tokens": 5,
-                                  "temperature": 0.8, "seed": 7}) + "\n")
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--offline",
-                           "--requests", str(reqs), "--json"],
-                          capture_output=True, text=True, timeout=240)
+    reqs.write_text(
+        "".join(
+            json.dumps({"prompt": c, "max_tokens": MAX_NEW, "temperature": 0}) + "\n"
+            for c in CHATS[:3]
+        )
+        + json.dumps(
+            {"prompt_ids": shared["prompts"][3], "max_tokens": 5, "temperature": 0.8, "seed": 7}
+        )
+        + "\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cluster.cli",
+            "generate",
+            "--offline",
+            "--requests",
+            str(reqs),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(x) for x in proc.stdout.splitlines()]
     assert [x["index"] for x in lines] == [0, 1, 2, 3]
@@ -117,7 +144,11 @@ def test_cli_offline_json(shared, tmp_path):
 def test_cli_reports_bad_input_clearly(tmp_path):
     reqs = tmp_path / "r.jsonl"
     reqs.write_text('{"prompt": "hi", "top_p": 0}\n')
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--offline",
-                           "--requests", str(reqs)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "generate", "--offline", "--requests", str(reqs)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "r.jsonl:1: top_p=0: must be in (0, 1]" in proc.stderr

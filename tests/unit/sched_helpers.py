@@ -15,8 +15,13 @@ def make_scheduler(num_blocks=64, block_size=4, prefix_caching=True, **cfg) -> S
 
 def make_request(rid, prompt_len=6, max_tokens=4, priority=0, first_token=1, **sp) -> Request:
     prompt = [first_token + (i % 50) for i in range(prompt_len)]
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **sp),
-                   eos_token_ids=(EOS,), priority=priority)
+    return Request(
+        rid,
+        prompt,
+        SamplingParams(max_tokens=max_tokens, **sp),
+        eos_token_ids=(EOS,),
+        priority=priority,
+    )
 
 
 def run_step(s: Scheduler, token=7):

@@ -22,15 +22,19 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     sp = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
     alone = run_engine(engine, [PROMPT], sp)[0]
     other = SamplingParams(max_tokens=7, temperature=1.0, seed=99, ignore_eos=True)
-    ids = [engine.add_request(PROMPT[:5], other), engine.add_request(PROMPT, sp),
-           engine.add_request(PROMPT[2:], other)]
+    ids = [
+        engine.add_request(PROMPT[:5], other),
+        engine.add_request(PROMPT, sp),
+        engine.add_request(PROMPT[2:], other),
+    ]
     out = {i: [] for i in ids}
     while engine.has_unfinished():
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
     assert out[ids[1]] == alone
-    different = run_engine(engine, [PROMPT], SamplingParams(max_tokens=10, temperature=0.9,
-                                                            seed=4321, ignore_eos=True))[0]
+    different = run_engine(
+        engine, [PROMPT], SamplingParams(max_tokens=10, temperature=0.9, seed=4321, ignore_eos=True)
+    )[0]
     assert different != alone
 
 
@@ -66,15 +70,28 @@ def test_bad_prompts_are_refused_with_a_reason(engine):
 
 def test_stop_strings_cut_text_and_end_the_request(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=64, block_size=4)
-    free = llm.generate([GenerationRequest(prompt_ids=tuple(PROMPT), sampling=SamplingParams(
-        max_tokens=30, temperature=0, ignore_eos=True))])[0]
+    free = llm.generate(
+        [
+            GenerationRequest(
+                prompt_ids=tuple(PROMPT),
+                sampling=SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+            )
+        ]
+    )[0]
     assert len(free.text) > 6
     stop = free.text[3:6]
     streamed = []
     (cut,) = llm.generate(
-        [GenerationRequest(prompt_ids=tuple(PROMPT), sampling=SamplingParams(
-            max_tokens=30, temperature=0, ignore_eos=True, stop=(stop,)))],
-        on_delta=lambda i, d, done: streamed.append(d))
+        [
+            GenerationRequest(
+                prompt_ids=tuple(PROMPT),
+                sampling=SamplingParams(
+                    max_tokens=30, temperature=0, ignore_eos=True, stop=(stop,)
+                ),
+            )
+        ],
+        on_delta=lambda i, d, done: streamed.append(d),
+    )
     assert cut.finish_reason == "stop"
     assert cut.text == free.text[: free.text.index(stop)]
     assert "".join(streamed) == cut.text  # nothing streamed was taken back
@@ -98,12 +115,20 @@ def test_cpu_decode_kernel_matches_sdpa(tiny_llama_dir, dtype="float32"):
         pytest.skip("no C++ compiler: the kernel could not be built")
     outs = {}
     for backend in ("torch", "torch-sdpa"):
-        eng = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64, block_size=4,
-                                     dtype=dtype, attention_backend=backend))
+        eng = LLMEngine(
+            EngineConfig(
+                model=str(tiny_llama_dir),
+                num_kv_blocks=64,
+                block_size=4,
+                dtype=dtype,
+                attention_backend=backend,
+            )
+        )
         assert ("cpu-kernel" in eng.runner.backend.name) == (backend == "torch")
         prompts = [PROMPT, PROMPT[:3], list(range(200, 237))]
-        outs[backend] = run_engine(eng, prompts, SamplingParams(max_tokens=20, temperature=0,
-                                                                ignore_eos=True))
+        outs[backend] = run_engine(
+            eng, prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+        )
     assert outs["torch"] == outs["torch-sdpa"]
 
 

@@ -50,8 +50,9 @@ def test_in_process_round_trip_and_refusal():
     got_desc, got = result["out"]
     assert got_desc == desc and all(torch.equal(x, y) for x, y in zip(got, layers))
     # A receiver that does not expect the request refuses it; the sender hears so.
-    t = threading.Thread(target=lambda: pytest.raises(TransferError, recv_kv, b, LAYOUT, 5,
-                                                      accept=lambda d: False))
+    t = threading.Thread(
+        target=lambda: pytest.raises(TransferError, recv_kv, b, LAYOUT, 5, accept=lambda d: False)
+    )
     t.start()
     with pytest.raises(TransferError, match="refused"):
         send_kv(a, desc, layers, 5)
@@ -73,8 +74,14 @@ def _pair(store_port, server, name, timeout=5.0):
 
     t = threading.Thread(target=rank1)
     t.start()
-    groups[0] = PairGroup(store_client("127.0.0.1", store_port, timeout), name, 0,
-                          torch.device("cpu"), "127.0.0.1", timeout)
+    groups[0] = PairGroup(
+        store_client("127.0.0.1", store_port, timeout),
+        name,
+        0,
+        torch.device("cpu"),
+        "127.0.0.1",
+        timeout,
+    )
     t.join(timeout + 5)
     return groups[0], groups[1]
 
@@ -117,6 +124,12 @@ def test_rendezvous_with_nobody_times_out():
     server = store_server("127.0.0.1")
     t0 = time.monotonic()
     with pytest.raises(TransferError, match="did not form"):
-        PairGroup(store_client("127.0.0.1", server.port, 1.0), "pair/lonely/1", 0,
-                  torch.device("cpu"), "127.0.0.1", 1.0)
+        PairGroup(
+            store_client("127.0.0.1", server.port, 1.0),
+            "pair/lonely/1",
+            0,
+            torch.device("cpu"),
+            "127.0.0.1",
+            1.0,
+        )
     assert time.monotonic() - t0 < 15

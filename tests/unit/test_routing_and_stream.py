@@ -6,8 +6,11 @@ from workers.model.tokenizer import Tokenizer
 
 def test_decode_prefers_free_blocks_and_skips_draining():
     p = RoutingPolicy(block_size=16)
-    loads = [WorkerLoad("d0", kv_blocks_free=100, running=10), WorkerLoad("d1", kv_blocks_free=90),
-             WorkerLoad("d2", kv_blocks_free=500, draining=True)]
+    loads = [
+        WorkerLoad("d0", kv_blocks_free=100, running=10),
+        WorkerLoad("d1", kv_blocks_free=90),
+        WorkerLoad("d2", kv_blocks_free=500, draining=True),
+    ]
     assert [w.name for w in p.decode_candidates(loads)] == ["d1", "d0"]
 
 

@@ -61,7 +61,7 @@ def test_finish_reasons_eos_length_stop_token_and_ignore_eos():
     assert status["stop"] == RequestStatus.FINISHED_STOPPED
     assert status["ign"] == RequestStatus.RUNNING
     _, results = run_step(s, token=EOS)
-    (req, new), = results
+    ((req, new),) = results
     assert req.request_id == "ign" and new == [EOS] and req.output_token_ids == [EOS, EOS]
     assert req.status == RequestStatus.FINISHED_LENGTH
     assert_no_leak(s)
@@ -193,6 +193,8 @@ def test_request_that_outgrows_the_whole_cache_ends_with_an_error():
             break
         from workers.engine.scheduler_output import SampledToken
 
-        s.update_from_output(out, [SampledToken(r.request_id, 7) for r in out.scheduled if r.sample])
+        s.update_from_output(
+            out, [SampledToken(r.request_id, 7) for r in out.scheduled if r.sample]
+        )
     assert out.failed and out.failed[0][0] == "big" and "3 KV blocks" in out.failed[0][1]
     assert not s.has_unfinished() and s.pool.num_free_blocks == 3

@@ -59,17 +59,25 @@ ops = st.lists(
 def test_random_workloads_never_leak_and_always_finish(
     ops, num_blocks, chunk, budget, caching, batching, policy
 ):
-    s = make_scheduler(num_blocks=num_blocks, block_size=BLOCK, prefix_caching=caching,
-                       max_num_seqs=4, prefill_chunk_size=chunk, max_num_batched_tokens=budget,
-                       batching=batching, policy=policy)
+    s = make_scheduler(
+        num_blocks=num_blocks,
+        block_size=BLOCK,
+        prefix_caching=caching,
+        max_num_seqs=4,
+        prefill_chunk_size=chunk,
+        max_num_batched_tokens=budget,
+        batching=batching,
+        policy=policy,
+    )
     ids = []
     for op in ops:
         if op[0] == "add":
             _, prompt_len, max_tokens, family = op
             rid = f"r{len(ids)}"
             # Requests of one family share a prompt prefix, exercising the prefix cache.
-            s.add_request(make_request(rid, prompt_len, max_tokens, priority=family,
-                                       first_token=1 + family))
+            s.add_request(
+                make_request(rid, prompt_len, max_tokens, priority=family, first_token=1 + family)
+            )
             ids.append(rid)
         elif op[0] == "step":
             step(s, lambda r, x=op[1]: EOS if x == 0 else 5 + x)

@@ -1,7 +1,6 @@
 """The decoder against transformers on tiny random Llama, Llama-3-scaled and Qwen2 (qkv bias)
 checkpoints, loaded through the safetensors folder loader."""
 
-import pytest
 import torch
 
 from tests.reference import engine_logits, hf_greedy, hf_logits, hf_model, run_engine
@@ -19,8 +18,14 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 def make_engine(folder, **kw):
-    return LLMEngine(EngineConfig(model=str(folder), num_kv_blocks=kw.pop("num_kv_blocks", 128),
-                                  block_size=kw.pop("block_size", 4), **kw))
+    return LLMEngine(
+        EngineConfig(
+            model=str(folder),
+            num_kv_blocks=kw.pop("num_kv_blocks", 128),
+            block_size=kw.pop("block_size", 4),
+            **kw,
+        )
+    )
 
 
 def test_teacher_forced_logits_match(tiny_model_dir):

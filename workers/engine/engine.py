@@ -62,8 +62,9 @@ class LLMEngine:
             model.cfg.max_position_embeddings,
         )
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(model)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, device,
-                                  config.attention_backend)
+        self.runner = ModelRunner(
+            model, num_blocks, config.block_size, device, config.attention_backend
+        )
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -83,9 +84,14 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         self._seeds = random.Random(config.seed)
         self._stops: dict[str, StopStringMatcher] = {}
-        log.info("engine ready: %s, %s, %d KV blocks of %d tokens, backend %s",
-                 self.source.path.name, config.dtype, num_blocks, config.block_size,
-                 self.runner.backend.name)
+        log.info(
+            "engine ready: %s, %s, %d KV blocks of %d tokens, backend %s",
+            self.source.path.name,
+            config.dtype,
+            num_blocks,
+            config.block_size,
+            self.runner.backend.name,
+        )
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -116,15 +122,21 @@ class LLMEngine:
         if any(not (0 <= t < vocab) for t in ids):
             raise ValueError(f"prompt holds token ids outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is "
-                             f"{self.max_model_len}, leaving no room to generate")
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the model's context is "
+                f"{self.max_model_len}, leaving no room to generate"
+            )
         if -(-len(ids) // self.pool.block_size) > self.pool.num_blocks:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than the whole KV cache holds "
-                             f"({self.pool.num_blocks * self.pool.block_size})")
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, more than the whole KV cache holds "
+                f"({self.pool.num_blocks * self.pool.block_size})"
+            )
         cfg = self.scheduler.config
         if not cfg.enable_chunked_prefill and len(ids) > cfg.max_num_batched_tokens:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than max_num_batched_tokens="
-                             f"{cfg.max_num_batched_tokens} with chunked prefill off")
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, more than max_num_batched_tokens="
+                f"{cfg.max_num_batched_tokens} with chunked prefill off"
+            )
 
     # -- disaggregation ---------------------------------------------------------------------
     def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int] | None:
@@ -146,9 +158,15 @@ class LLMEngine:
     ) -> RequestOutput | None:
         """Admit a request prefilled elsewhere (its KV already written into its reserved
         blocks). Returns its final output if the first token already ends it."""
-        req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                      sampling=sampling, eos_token_ids=self.eos_token_ids, priority=priority,
-                      seed=seed, output_token_ids=[first_token])
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling=sampling,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            seed=seed,
+            output_token_ids=[first_token],
+        )
         if first_logprob is not None and sampling.logprobs:
             req.output_logprobs.append(first_logprob)
         self.scheduler.add_prefilled(req)
@@ -169,7 +187,9 @@ class LLMEngine:
         self._stops.pop(request_id, None)
         if self.scheduler.release(request_id):
             return True
-        return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_CANCELLED) is not None
+        return (
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_CANCELLED) is not None
+        )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -201,9 +221,10 @@ class LLMEngine:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             if req.is_finished:
                 del self._stops[req.request_id]
-        logprobs = req.output_logprobs[-len(new_ids):] if req.sampling.logprobs else None
-        return RequestOutput(req.request_id, new_ids, req.is_finished, req.finish_reason,
-                             req.error, logprobs, text)
+        logprobs = req.output_logprobs[-len(new_ids) :] if req.sampling.logprobs else None
+        return RequestOutput(
+            req.request_id, new_ids, req.is_finished, req.finish_reason, req.error, logprobs, text
+        )
 
     def _fail(self, request_id: str, message: str) -> RequestOutput:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR, message)

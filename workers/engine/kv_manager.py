@@ -34,9 +34,10 @@ class KVCacheManager:
     def can_allocate(
         self, req: Request, num_new_tokens: int, cached: list[int] = (), admitting: bool = False
     ) -> bool:
-        return self._cost(req, num_new_tokens, cached) + (
-            self.watermark_blocks if admitting else 0
-        ) <= self.pool.num_free_blocks
+        return (
+            self._cost(req, num_new_tokens, cached) + (self.watermark_blocks if admitting else 0)
+            <= self.pool.num_free_blocks
+        )
 
     def allocate(self, req: Request, num_new_tokens: int, cached: list[int] = ()) -> None:
         """Reserve blocks so that tokens up to num_computed + cached + new have a slot."""

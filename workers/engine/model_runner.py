@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from kv_transfer.layout import KVLayout
-
 from workers.engine.sampler import SamplingTensors, sample
 from workers.engine.scheduler_output import SampledToken, SchedulerOutput
 from workers.model.attention import AttentionMetadata, PrefillSlice, select_backend
@@ -22,7 +21,10 @@ def allocate_kv_cache(layout: KVLayout, num_blocks: int, device: torch.device):
     shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
     dtype = getattr(torch, layout.dtype)
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
         for _ in range(layout.num_layers)
     ]
 
@@ -136,11 +138,15 @@ class ModelRunner:
         dev = self.device
         params = [s.sampling for s in reqs]
         return SamplingTensors(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+            temperature=torch.tensor(
+                [p.temperature for p in params], dtype=torch.float32, device=dev
+            ),
             top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long, device=dev),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
             seeds=torch.tensor([s.seed & (2**63 - 1) for s in reqs], dtype=torch.long, device=dev),
-            counters=torch.tensor([s.num_output_tokens for s in reqs], dtype=torch.long, device=dev),
+            counters=torch.tensor(
+                [s.num_output_tokens for s in reqs], dtype=torch.long, device=dev
+            ),
             all_greedy=all(p.greedy for p in params),
             any_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
             want_logprobs=any(p.logprobs for p in params),

@@ -38,8 +38,12 @@ class SchedulerConfig:
     watermark: float = 0.01  # share of blocks kept free at admission
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size",
-                     "max_model_len"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "prefill_chunk_size",
+            "max_model_len",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be positive")
         if self.batching not in ("continuous", "static"):
@@ -157,8 +161,10 @@ class Scheduler:
             while not self.kv.can_allocate(req, n):
                 if len(self.running) == 1:
                     # Alone and still out of blocks: the cache can never hold this request.
-                    error = (f"request needs more than the {self.pool.num_blocks} KV blocks of "
-                             "this worker's cache")
+                    error = (
+                        f"request needs more than the {self.pool.num_blocks} KV blocks of "
+                        "this worker's cache"
+                    )
                     self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, error)
                     out.failed.append((req.request_id, error))
                     break
@@ -188,8 +194,10 @@ class Scheduler:
                 if not self.running and req is self.waiting[0]:
                     # Nothing running will ever free a block: this request cannot fit.
                     self.waiting.pop(0)
-                    error = (f"request needs more than the {self.pool.num_blocks} KV blocks of "
-                             "this worker's cache")
+                    error = (
+                        f"request needs more than the {self.pool.num_blocks} KV blocks of "
+                        "this worker's cache"
+                    )
                     self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, error)
                     out.failed.append((req.request_id, error))
                     continue
@@ -233,7 +241,7 @@ class Scheduler:
         # The watermark only protects running sequences; with none, the whole pool is fair game.
         admitting = bool(self.running)
         cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
-        for hits in ([cached, []] if cached else [[]]):
+        for hits in [cached, []] if cached else [[]]:
             num_cached = len(hits) * self.pool.block_size
             n = self._num_new_tokens(req, budget, skip=num_cached)
             if n and self.kv.can_allocate(req, n, hits, admitting=admitting):

@@ -84,7 +84,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor], source: str) -> None:
-        """Load HF-named tensors (`model.layers.N.self_attn.q_proj.weight`, ...), fusing as we go."""
+        """Load HF-named tensors (`model.layers.N.self_attn.q_proj.weight`, ...), fusing
+        q/k/v and gate/up as it goes."""
         cfg = self.cfg
         w = {k.removeprefix("model."): t for k, t in weights.items()}
 
@@ -117,7 +118,9 @@ class LlamaForCausalLM(nn.Module):
                 put(layer.o_proj.weight, take(attn + "o_proj.weight"), attn + "o_proj.weight")
                 gate_up = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
                 put(layer.gate_up_proj.weight, gate_up, mlp + "gate_up_proj.weight")
-                put(layer.down_proj.weight, take(mlp + "down_proj.weight"), mlp + "down_proj.weight")
+                put(
+                    layer.down_proj.weight, take(mlp + "down_proj.weight"), mlp + "down_proj.weight"
+                )
                 put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "ln")
                 put(
                     layer.post_attention_layernorm.weight,

@@ -46,10 +46,14 @@ def resolve_model(ref: str | None) -> ModelSource:
         return ModelSource(path)
     path = Path(ref).expanduser()
     if not path.exists():
-        raise CheckpointError(f"{path}: no such model file or folder (give a .gguf file or an "
-                              "HF folder with config.json and *.safetensors)")
+        raise CheckpointError(
+            f"{path}: no such model file or folder (give a .gguf file or an "
+            "HF folder with config.json and *.safetensors)"
+        )
     if path.is_file() and path.suffix != ".gguf":
-        raise CheckpointError(f"{path}: a model file must be .gguf; for safetensors give the folder")
+        raise CheckpointError(
+            f"{path}: a model file must be .gguf; for safetensors give the folder"
+        )
     return ModelSource(path)
 
 

@@ -8,7 +8,9 @@ from typing import Any
 import torch
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None
+) -> torch.Tensor:
     # float32 throughout, as the reference implementation computes it, so logits match bit-closely.
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
@@ -18,7 +20,9 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
     if kind != "llama3":
-        raise ValueError(f"rope_type {kind!r} is not supported (supported: default, linear, llama3)")
+        raise ValueError(
+            f"rope_type {kind!r} is not supported (supported: default, linear, llama3)"
+        )
     factor = float(scaling["factor"])
     low = float(scaling.get("low_freq_factor", 1.0))
     high = float(scaling.get("high_freq_factor", 4.0))

@@ -18,8 +18,14 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 # Vectorising the fp32 reductions needs reassociation; the kernel never sees inf or NaN.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros",
-           "-fno-trapping-math"]
+_CFLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+]
 _lock = threading.Lock()
 _module = None
 _tried = False

@@ -11,7 +11,9 @@ BACKENDS = ("auto", "torch", "torch-sdpa", "flash-attn")
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
     if name not in BACKENDS:
-        raise ValueError(f"attention backend {name!r} is unknown (choose from {', '.join(BACKENDS)})")
+        raise ValueError(
+            f"attention backend {name!r} is unknown (choose from {', '.join(BACKENDS)})"
+        )
     if name == "auto":
         name = "flash-attn" if device.type == "cuda" else "torch"
     if name == "flash-attn":

@@ -45,7 +45,8 @@ class TorchAttentionBackend(AttentionBackend):
         tables = meta.decode_block_tables
         if self.kernel is not None:
             return self.kernel.paged_decode_attention(
-                q, k_cache, v_cache, tables, meta.decode_context_lens, scale)
+                q, k_cache, v_cache, tables, meta.decode_context_lens, scale
+            )
         batch, max_blocks = tables.shape
         _, block_size, kvh, d = k_cache.shape
         length = max_blocks * block_size
@@ -57,7 +58,9 @@ class TorchAttentionBackend(AttentionBackend):
         keys = k_cache[tables].view(batch, length, kvh, d).transpose(1, 2)
         values = v_cache[tables].view(batch, length, kvh, d).transpose(1, 2)
         qg = q.view(batch, kvh, group, d)
-        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask, scale=scale)
+        o = F.scaled_dot_product_attention(
+            qg, keys, values, attn_mask=meta.decode_mask, scale=scale
+        )
         return o.reshape(batch, kvh * group, d)
 
     def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillSlice, scale: float):
@@ -79,6 +82,12 @@ class TorchAttentionBackend(AttentionBackend):
             qpos = torch.arange(p.q_len).unsqueeze(1) + offset
             mask = torch.arange(p.ctx_len).unsqueeze(0) <= qpos
         o = F.scaled_dot_product_attention(
-            qh, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, is_causal=mask is None,
-            scale=scale, enable_gqa=q.shape[1] != kvh)
+            qh,
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=q.shape[1] != kvh,
+        )
         return o[0].transpose(0, 1)
