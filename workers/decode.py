@@ -24,13 +24,12 @@ from kv_transfer.layout import KVLayout, LayoutMismatch
 from kv_transfer.protocol import TransferError
 from kv_transfer.torch_dist import PairGroup, store_server
 from workers.engine.engine import RequestOutput
-from workers.engine_loop import EngineLoop
-from workers.worker_common import build_engine, sampling_from_dict, worker_status
+from workers.worker_common import WorkerBase, sampling_from_dict
 
 log = logging.getLogger(__name__)
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerBase):
     def __init__(
         self,
         name: str,
@@ -39,13 +38,7 @@ class DecodeWorker:
         transfer_host: str = "127.0.0.1",
         transfer_timeout_s: float = 10.0,
     ) -> None:
-        logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {name}: %(message)s")
-        self.name = name
-        self.engine = build_engine(engine_config)
-        self.layout: KVLayout = self.engine.runner.layout
-        self.device = self.engine.runner.device
-        self.transfer_host = transfer_host
-        self.transfer_timeout_s = transfer_timeout_s
+        super().__init__(name, engine_config, transfer_host, transfer_timeout_s)
         self.store = store_server(transfer_host)
         self.pairs: dict[str, tuple[int, PairGroup]] = {}
         self.staging: dict[str, StagingBuffers] = {}  # per pair: receive buffers, reused
@@ -62,8 +55,7 @@ class DecodeWorker:
             from cluster.state import StateStore
 
             self.state = StateStore(redis_url)
-        self.draining = False
-        self.loop = EngineLoop(self.engine, self._on_outputs, name=f"{name}-loop").start()
+        self.start_loop(self._on_outputs)
 
     # -- identity and status ----------------------------------------------------------------
     def info(self) -> dict:
@@ -74,12 +66,6 @@ class DecodeWorker:
             "layout": self.layout.to_dict(),
             "block_size": self.layout.block_size,
         }
-
-    def status(self) -> dict:
-        return self.loop.call(worker_status, self.name, self.engine, self.draining).result(10)
-
-    def set_draining(self, draining: bool) -> None:
-        self.draining = draining
 
     # -- the handoff ------------------------------------------------------------------------
     def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int] | None:

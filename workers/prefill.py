@@ -26,8 +26,7 @@ from kv_transfer.protocol import TransferDescriptor, TransferError
 from kv_transfer.torch_dist import PairGroup, store_client
 from workers.engine.engine import RequestOutput
 from workers.engine.request import Request, RequestStatus, SamplingParams
-from workers.engine_loop import EngineLoop
-from workers.worker_common import build_engine, sampling_from_dict, worker_status
+from workers.worker_common import WorkerBase, sampling_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +40,7 @@ class _Push:
     done: Future = field(default_factory=Future)
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerBase):
     def __init__(
         self,
         name: str,
@@ -49,32 +48,20 @@ class PrefillWorker:
         transfer_host: str = "127.0.0.1",
         transfer_timeout_s: float = 10.0,
     ) -> None:
-        logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {name}: %(message)s")
-        self.name = name
-        self.engine = build_engine(engine_config)
-        self.layout = self.engine.runner.layout
-        self.device = self.engine.runner.device
-        self.transfer_host = transfer_host
-        self.transfer_timeout_s = transfer_timeout_s
+        super().__init__(name, engine_config, transfer_host, transfer_timeout_s)
         self.jobs: dict[str, dict] = {}
         self.first: dict[str, Future] = {}
         self.pushes: dict[str, _Push] = {}
         self.senders: dict[str, _Sender] = {}
-        self.draining = False
         self.queued_tokens = 0
         self.engine.scheduler.before_free = self._export
-        self.loop = EngineLoop(self.engine, self._on_outputs, name=f"{name}-loop").start()
+        self.start_loop(self._on_outputs)
 
     def info(self) -> dict:
         return {"name": self.name, "layout": self.layout.to_dict()}
 
     def status(self) -> dict:
-        s = self.loop.call(worker_status, self.name, self.engine, self.draining).result(10)
-        s["queued_prefill_tokens"] = self.queued_tokens
-        return s
-
-    def set_draining(self, draining: bool) -> None:
-        self.draining = draining
+        return {**super().status(), "queued_prefill_tokens": self.queued_tokens}
 
     def prefill(self, job: dict, timeout_s: float = 300.0) -> dict:
         """job: request_id, prompt_ids, sampling, seed, priority, decode {name, host, port,

@@ -1,8 +1,9 @@
 """What prefill and decode actors share: engine construction from plain config, identity,
-and the status every worker reports."""
+the engine loop, and the status every worker reports."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 
@@ -60,3 +61,33 @@ def worker_status(name: str, engine: LLMEngine, draining: bool = False) -> dict:
         "reserved": len(sched.reserved),
         "draining": draining,
     }
+
+
+class WorkerBase:
+    """A named worker around one engine, driven by one EngineLoop thread. Subclasses set up
+    their own state, then call `start_loop` with their output handler."""
+
+    def __init__(
+        self, name: str, engine_config: dict, transfer_host: str, transfer_timeout_s: float
+    ) -> None:
+        logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {name}: %(message)s")
+        self.name = name
+        self.engine = build_engine(engine_config)
+        self.layout = self.engine.runner.layout
+        self.device = self.engine.runner.device
+        self.transfer_host = transfer_host
+        self.transfer_timeout_s = transfer_timeout_s
+        self.draining = False
+        self.loop = None
+
+    def start_loop(self, on_outputs) -> None:
+        from workers.engine_loop import EngineLoop
+
+        self.loop = EngineLoop(self.engine, on_outputs, name=f"{self.name}-loop").start()
+
+    def status(self) -> dict:
+        return self.loop.call(worker_status, self.name, self.engine, self.draining).result(10)
+
+    def set_draining(self, draining: bool) -> None:
+        """A draining worker takes no new requests and finishes the ones it has."""
+        self.draining = draining

@@ -139,3 +139,32 @@ def test_tandem_up_serves_and_stops_on_sigterm(tiny_llama_dir, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_drain_stops_routing_then_removes_the_worker(cluster):
+    async def go():
+        admin = cluster.client.admin
+        await admin.Scale(pb.ScaleRequest(pool="decode", replicas=2), timeout=300)
+        names = [w.name for w in (await cluster.client.status()).decode if w.alive]
+        drained = await admin.Drain(pb.DrainRequest(worker=names[-1], timeout_s=30), timeout=60)
+        after = [w.name for w in (await cluster.client.status()).decode if w.alive]
+        missing = None
+        try:
+            await admin.Drain(pb.DrainRequest(worker="decode-99"), timeout=30)
+        except Exception as e:
+            missing = e.code().name
+        return names, drained, after, missing
+
+    names, drained, after, missing = cluster.run(go(), timeout=400)
+    assert len(names) == 2 and drained.drained and names[-1] not in after and len(after) == 1
+    assert missing == "NOT_FOUND"
+    r = cluster.run(
+        cluster.client.generate(
+            pb.GenerateRequest(
+                prompt_ids=[5, 6, 7],
+                sampling=pb.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+            ),
+            timeout_s=60,
+        )
+    )
+    assert r.status == "OK" and len(r.token_ids) == 3

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from tests.integration.harness import CHATS
 from tests.reference import engine_logits, hf_greedy, hf_logits, hf_model, run_engine
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
@@ -15,17 +16,6 @@ from workers.engine.request import SamplingParams
 
 pytestmark = pytest.mark.integration
 
-CHATS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain gravity to a child in two sentences.",
-    "List three uses of a paperclip.",
-    "Translate 'good morning' into Spanish and German.",
-    "Write a short story about a robot who learns to paint, in about five sentences, "
-    "with a twist at the end and a title on its own line.",
-    "Why is the sky blue?",
-    "Give me a recipe for pancakes.",
-]
 MAX_NEW = 40
 
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from kv_transfer.channel import recv_kv, send_kv
+from kv_transfer.channel import StagingBuffers, recv_kv, send_kv
 from kv_transfer.inprocess import InProcessChannel
 from kv_transfer.layout import KVLayout, LayoutMismatch
 from kv_transfer.protocol import TransferDescriptor, TransferError
@@ -19,6 +19,20 @@ LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=
 def payload(desc):
     torch.manual_seed(1)
     return [torch.randn(LAYOUT.layer_shape(desc.num_blocks)) for _ in range(LAYOUT.num_layers)]
+
+
+def round_trip(sender, receiver, desc, layers):
+    """Send on one side while the other receives in a thread; check what arrived."""
+    result = {}
+    staging = StagingBuffers()
+    t = threading.Thread(
+        target=lambda: result.update(out=recv_kv(receiver, LAYOUT, 5, staging=staging))
+    )
+    t.start()
+    send_kv(sender, desc, layers, 5)
+    t.join(10)
+    got_desc, got = result["out"]
+    assert got_desc == desc and all(torch.equal(x, y) for x, y in zip(got, layers))
 
 
 def test_descriptor_round_trip_and_validation():
@@ -42,13 +56,7 @@ def test_in_process_round_trip_and_refusal():
     a, b = InProcessChannel.pair()
     desc = TransferDescriptor("r1", LAYOUT, 2, 7, 5)
     layers = payload(desc)
-    result = {}
-    t = threading.Thread(target=lambda: result.update(out=recv_kv(b, LAYOUT, 5)))
-    t.start()
-    send_kv(a, desc, layers, 5)
-    t.join(5)
-    got_desc, got = result["out"]
-    assert got_desc == desc and all(torch.equal(x, y) for x, y in zip(got, layers))
+    round_trip(a, b, desc, layers)
     # A receiver that does not expect the request refuses it; the sender hears so.
     t = threading.Thread(
         target=lambda: pytest.raises(TransferError, recv_kv, b, LAYOUT, 5, accept=lambda d: False)
@@ -92,13 +100,8 @@ def test_gloo_pair_moves_kv_and_survives_a_dead_peer():
     assert sender.backend == "gloo"
     desc = TransferDescriptor("r1", LAYOUT, 3, 12, 9)
     layers = payload(desc)
-    result = {}
-    t = threading.Thread(target=lambda: result.update(out=recv_kv(receiver, LAYOUT, 5)))
-    t.start()
-    send_kv(sender, desc, layers, 5)
-    t.join(10)
-    got_desc, got = result["out"]
-    assert got_desc == desc and all(torch.equal(x, y) for x, y in zip(got, layers))
+    round_trip(sender, receiver, desc, layers)
+    round_trip(sender, receiver, desc, layers)  # staging buffers reused, pair reused
 
     # The peer goes away: the send fails within its timeout instead of hanging.
     receiver.close()
@@ -111,11 +114,7 @@ def test_gloo_pair_moves_kv_and_survives_a_dead_peer():
 
     # The next generation of the pair forms afresh and works.
     sender2, receiver2 = _pair(server.port, server, "pair/p0/2")
-    t = threading.Thread(target=lambda: result.update(out=recv_kv(receiver2, LAYOUT, 5)))
-    t.start()
-    send_kv(sender2, desc, layers, 5)
-    t.join(10)
-    assert result["out"][0] == desc
+    round_trip(sender2, receiver2, desc, layers)
     sender2.close()
     receiver2.close()
 

@@ -150,8 +150,20 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        self.running.sort(key=self.policy.key)
+        # Static batching admits a new group only once the last one is gone.
         admit = self.config.batching == "continuous" or not self.running
+        budget = self._schedule_running(out, budget)
+        for ghost in self.padding:
+            if budget <= 0:
+                break
+            budget -= 1
+            self._emit(out, ghost, 1, padding=True)
+        if admit and not out.preempted_ids:  # room was just made by force: admit nothing
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        self.running.sort(key=self.policy.key)
         for req in list(self.running):
             if req not in self.running:
                 continue  # preempted earlier in this loop to make room
@@ -161,12 +173,7 @@ class Scheduler:
             while not self.kv.can_allocate(req, n):
                 if len(self.running) == 1:
                     # Alone and still out of blocks: the cache can never hold this request.
-                    error = (
-                        f"request needs more than the {self.pool.num_blocks} KV blocks of "
-                        "this worker's cache"
-                    )
-                    self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, error)
-                    out.failed.append((req.request_id, error))
+                    self._fail_unfittable(req, out)
                     break
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -177,37 +184,29 @@ class Scheduler:
                 self.kv.allocate(req, n)
                 budget -= n
                 self._emit(out, req, n)
-        for ghost in self.padding:
-            if budget <= 0:
-                break
-            budget -= 1
-            self._emit(out, ghost, 1, padding=True)
-        if out.preempted_ids:
-            admit = False
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         self.waiting.sort(key=self.policy.key)
-        while admit and self.waiting and budget > 0:
-            if len(self.running) >= self.config.max_num_seqs:
-                break
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             n = self._admit(req, budget)
             if n == 0:
-                if not self.running and req is self.waiting[0]:
-                    # Nothing running will ever free a block: this request cannot fit.
-                    self.waiting.pop(0)
-                    error = (
-                        f"request needs more than the {self.pool.num_blocks} KV blocks of "
-                        "this worker's cache"
-                    )
-                    self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, error)
-                    out.failed.append((req.request_id, error))
-                    continue
-                break
+                if self.running:
+                    break  # wait for running requests to free blocks
+                # Nothing running will ever free a block: this request cannot fit.
+                self._fail_unfittable(req, out)
+                continue
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             budget -= n
             self._emit(out, req, n)
-        return out
+
+    def _fail_unfittable(self, req: Request, out: SchedulerOutput) -> None:
+        error = f"request needs more than the {self.pool.num_blocks} KV blocks of this worker"
+        self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, error)
+        out.failed.append((req.request_id, error))
 
     def update_from_output(
         self, out: SchedulerOutput, sampled: list[SampledToken]

@@ -1,0 +1,64 @@
+"""Router admission and auth decisions that need no workers: queue bound, empty pools,
+bearer tokens."""
+
+import asyncio
+
+import pytest
+
+from router.core import Router, RouterConfig, RouterError
+from router.server import _check_auth
+from router.validation import Admission
+from workers.engine.request import SamplingParams
+
+
+class NoPools:
+    """A pool manager with no workers at all."""
+
+    def __init__(self):
+        self.listeners = []
+
+    def members(self, pool, include_dead=False):
+        return []
+
+
+def admission(rid="r1"):
+    return Admission(rid, [1, 2, 3], SamplingParams(max_tokens=4), 7, 0, "")
+
+
+async def first_error(router, adm):
+    try:
+        async for _ in router.generate(adm):
+            pass
+    except RouterError as e:
+        return e
+    return None
+
+
+def test_full_queue_is_resource_exhausted_and_empty_pools_unavailable():
+    async def go():
+        router = Router(NoPools(), tokenizer=None, block_size=16, config=RouterConfig(max_queue=0))
+        full = await first_error(router, admission())
+        router.config = RouterConfig(max_queue=10)
+        empty = await first_error(router, admission("r2"))
+        return full, empty
+
+    full, empty = asyncio.run(go())
+    assert full.code == "RESOURCE_EXHAUSTED" and "queue is full" in full.message
+    assert empty.code == "UNAVAILABLE" and "scale the empty pool" in empty.message
+
+
+class Ctx:
+    def __init__(self, meta):
+        self.meta = meta
+
+    def invocation_metadata(self):
+        return self.meta
+
+
+def test_bearer_token_is_checked():
+    _check_auth(Ctx([]), None)  # no token configured: open
+    _check_auth(Ctx([("authorization", "Bearer s3cret")]), "s3cret")
+    for meta in ([], [("authorization", "Bearer wrong")], [("authorization", "s3cret")]):
+        with pytest.raises(RouterError) as e:
+            _check_auth(Ctx(meta), "s3cret")
+        assert e.value.code == "UNAUTHENTICATED"
