@@ -6,7 +6,8 @@
 Requests come from a JSONL workload (default: short chats with long documents mixed in) at
 Poisson arrivals (--burstiness 1) or gamma arrivals (other values), seeded, so every system
 sees the same trace. Systems:
-- tandem-disagg: 1 prefill + 1 decode worker, one core each;
+- tandem-disagg: 1 prefill + 1 decode worker, one core each (the prefill worker runs
+  --prefill-threads threads, default 2: it is bursty, and a long prompt then takes both);
 - tandem-colocated: 1 worker doing both phases on both cores, chunked prefill;
 - tandem-colocated-unchunked: the same without chunking (a long prompt stalls decodes);
 - vllm: vLLM's CPU build behind its OpenAI-compatible server, when installed (see README),
@@ -189,7 +190,9 @@ def summarize(records: list[dict], duration: float, slo_ttft: float, slo_tpot: f
 
 
 # -- systems ---------------------------------------------------------------------------------
-async def run_tandem(system: str, model_dir: Path, trace: list[dict], data_dir: Path) -> list:
+async def run_tandem(
+    system: str, model_dir: Path, trace: list[dict], data_dir: Path, prefill_threads: int
+) -> tuple:
     from cluster.cluster import Cluster
     from cluster.config import ClusterConfig
 
@@ -209,6 +212,7 @@ async def run_tandem(system: str, model_dir: Path, trace: list[dict], data_dir: 
             prefill=1,
             decode=1,
             cpus_per_worker=1,
+            prefill_threads=prefill_threads,
             prefill_chunk_size=512,
             max_num_batched_tokens=2048,
         )
@@ -371,7 +375,7 @@ async def amain(args) -> None:
                     records, t0 = await run_vllm(args.vllm_python, model_dir, trace)
                 else:
                     records, t0 = await run_tandem(
-                        system, model_dir, trace, RESULTS / f"data-{system}"
+                        system, model_dir, trace, RESULTS / f"data-{system}", args.prefill_threads
                     )
             except Exception as e:
                 log(f"[{system}] failed: {e}")
@@ -448,6 +452,12 @@ def main() -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=150.0)
     p.add_argument("--runs", type=int, default=1)
+    p.add_argument(
+        "--prefill-threads",
+        type=int,
+        default=1,
+        help="torch threads of the disaggregated prefill worker (decode gets 1)",
+    )
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     p.add_argument("--out", type=Path, default=RESULTS / "serving.json")

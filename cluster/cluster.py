@@ -67,7 +67,7 @@ class Cluster:
         state.ping()
         self.pools = PoolManager(
             PoolConfig(
-                engine_config=cfg.engine_config(),
+                engine_configs={p: cfg.engine_config(p) for p in ("prefill", "decode")},
                 redis_url=redis_url,
                 transfer_host=cfg.host if cfg.host != "0.0.0.0" else "127.0.0.1",
                 transfer_timeout_s=cfg.transfer_timeout_s,

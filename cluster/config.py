@@ -36,6 +36,10 @@ class ClusterConfig:
     prefill_chunk_size: int = 512
     enable_chunked_prefill: bool = True
     cpus_per_worker: float = 1.0
+    # torch threads per worker on CPU (default: cpus_per_worker). Prefill is bursty: letting
+    # it use more threads than its share speeds long prompts while decode waits less.
+    prefill_threads: int | None = None
+    decode_threads: int | None = None
     gpus_per_worker: float = 0.0
     transfer_timeout_s: float = 10.0
     max_in_flight: int = 256
@@ -64,7 +68,10 @@ class ClusterConfig:
         n = self.decode + (self.prefill if self.mode == "disaggregated" else 0)
         return n * self.cpus_per_worker
 
-    def engine_config(self) -> dict:
+    def engine_config(self, pool: str = "decode") -> dict:
+        threads = self.prefill_threads if pool == "prefill" else self.decode_threads
+        if threads is None:
+            threads = max(1, int(self.cpus_per_worker))
         return {
             "model": self.model,
             "dtype": self.dtype,
@@ -76,7 +83,7 @@ class ClusterConfig:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "prefill_chunk_size": self.prefill_chunk_size,
             "enable_chunked_prefill": self.enable_chunked_prefill,
-            "num_threads": max(1, int(self.cpus_per_worker)) if self.device == "cpu" else None,
+            "num_threads": threads if self.device == "cpu" else None,
         }
 
 

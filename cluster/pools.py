@@ -30,7 +30,7 @@ class WorkerRef:
 
 @dataclass(frozen=True)
 class PoolConfig:
-    engine_config: dict
+    engine_configs: dict  # pool name -> engine config dict
     redis_url: str | None
     transfer_host: str = "127.0.0.1"
     transfer_timeout_s: float = 10.0
@@ -62,7 +62,7 @@ class PoolManager:
         cls = PrefillWorker if pool == "prefill" else DecodeWorker
         kwargs = {
             "name": name,
-            "engine_config": self.cfg.engine_config,
+            "engine_config": self.cfg.engine_configs[pool],
             "transfer_host": self.cfg.transfer_host,
             "transfer_timeout_s": self.cfg.transfer_timeout_s,
         }
