@@ -43,6 +43,7 @@ class RouterConfig:
     prefill_timeout_s: float = 300.0
     rpc_timeout_s: float = 30.0
     status_interval_s: float = 0.5
+    stall_timeout_s: float = 120.0  # a stream with no event for this long is given up
 
 
 class Router:
@@ -149,10 +150,7 @@ class Router:
                 "RESOURCE_EXHAUSTED",
                 f"the admission queue is full ({self.queue_depth} waiting); retry later",
             )
-        needs_prefill = self.mode == "disaggregated"
-        if (needs_prefill and not self.pools.members("prefill")) or not self.pools.members(
-            "decode"
-        ):
+        if not self._pools_ready():
             raise RouterError(
                 "UNAVAILABLE",
                 "no live prefill or decode worker; check `tandem status` and scale the empty pool",
@@ -163,16 +161,24 @@ class Router:
         finally:
             self.queue_depth -= 1
         stream = RequestStream(adm.request_id, self.tokenizer, adm.sampling.stop)
-        self.streams[adm.request_id] = stream
-        ended = False
+        ended, created, failure = False, False, None
         try:
             self._record_new(adm)
+            created = True
+            self.streams[adm.request_id] = stream
             if self.mode == "colocated":
                 await self._dispatch_colocated(adm, stream)
             else:
                 await self._dispatch_disaggregated(adm, stream)
             while True:
-                event = await stream.queue.get()
+                try:
+                    event = await asyncio.wait_for(stream.queue.get(), self.config.stall_timeout_s)
+                except TimeoutError:
+                    raise RouterError(
+                        "UNAVAILABLE",
+                        f"no tokens from {stream.decode_worker} for "
+                        f"{self.config.stall_timeout_s:.0f} s; the request was cancelled",
+                    ) from None
                 for chunk in stream.order(event):
                     if chunk.finished:
                         ended = True
@@ -180,12 +186,24 @@ class Router:
                     yield chunk
                 if stream.finished:
                     return
+        except RouterError as e:
+            failure = e
+            raise
         finally:
-            self.streams.pop(adm.request_id, None)
+            if created:
+                self.streams.pop(adm.request_id, None)
             self.slots.release()
-            if not ended:
+            if created and not ended:  # an error, a cancel, a deadline or a gone client
                 await self._cancel_on_workers(stream)
-                self._record_state(adm.request_id, "CANCELLED", "cancelled")
+                if failure is not None:
+                    self._record_state(adm.request_id, "FAILED", "error", failure.message)
+                else:
+                    self._record_state(adm.request_id, "CANCELLED", "cancelled")
+
+    def _pools_ready(self) -> bool:
+        if self.mode == "disaggregated" and not self.pools.members("prefill"):
+            return False
+        return bool(self.pools.members("decode"))
 
     async def _dispatch_disaggregated(self, adm: Admission, stream: RequestStream) -> None:
         decode = await self._reserve(adm)
