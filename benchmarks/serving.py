@@ -181,10 +181,11 @@ def summarize(records: list[dict], duration: float, slo_ttft: float, slo_tpot: f
     }
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         xs = sorted(xs)
-        for p in (50, 90, 99):
+        for p in (50, 90, 99, 99.9):
             out[f"{name}_p{p}_ms"] = (
                 1000 * xs[min(len(xs) - 1, int(len(xs) * p / 100))] if xs else float("nan")
             )
+        out[f"{name}_max_ms"] = 1000 * xs[-1] if xs else float("nan")
         out[f"{name}_mean_ms"] = 1000 * statistics.fmean(xs) if xs else float("nan")
     return out
 
@@ -392,7 +393,7 @@ async def amain(args) -> None:
     rows = []
     for name, s in summaries.items():
         if "completed" not in s:
-            rows.append([name] + ["-"] * 9 + [s.get("skipped") or s.get("error", "")[:50]])
+            rows.append([name] + ["-"] * 11 + [s.get("skipped") or s.get("error", "")[:50]])
             continue
         rows.append(
             [
@@ -406,6 +407,8 @@ async def amain(args) -> None:
                 f"{s['tpot_p99_ms']:.0f}",
                 f"{s['itl_p50_ms']:.0f}",
                 f"{s['itl_p99_ms']:.0f}",
+                f"{s['itl_p99.9_ms']:.0f}",
+                f"{s['itl_max_ms']:.0f}",
                 "",
             ]
         )
@@ -425,6 +428,8 @@ async def amain(args) -> None:
             "TPOT p99",
             "ITL p50",
             "ITL p99",
+            "ITL p99.9",
+            "ITL max",
             "note",
         ],
         rows,
