@@ -45,7 +45,7 @@ class Cluster:
                 progress(f"joining Ray at {cfg.ray_address}")
                 ray.init(address=cfg.ray_address, namespace="tandem", log_to_driver=True)
             else:
-                cpus = max(2, int(cfg.workers_cpus + 0.999))
+                cpus = cfg.ray_num_cpus or max(2, int(cfg.workers_cpus + 0.999))
                 progress(f"starting Ray with {cpus} logical CPUs")
                 ray.init(
                     num_cpus=cpus,

@@ -26,6 +26,7 @@ class ClusterConfig:
     data_dir: str = "./tandem-data"
     redis_url: str | None = None  # None: an embedded redis-server in data_dir
     ray_address: str | None = None  # None: start a local Ray
+    ray_num_cpus: int | None = None  # logical CPUs of a local Ray (default: what the pools need)
     dashboard: bool = True
     auth_token: str | None = None
     block_size: int = 16

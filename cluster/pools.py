@@ -57,6 +57,7 @@ class PoolManager:
     async def spawn(self, pool: str) -> WorkerRef:
         if pool not in POOLS:
             raise ValueError(f"pool {pool!r} is unknown (prefill or decode)")
+        self._check_resources()
         taken = set(self.workers[pool])
         name = next(f"{pool}-{i}" for i in range(len(taken) + 1) if f"{pool}-{i}" not in taken)
         cls = PrefillWorker if pool == "prefill" else DecodeWorker
@@ -93,6 +94,17 @@ class PoolManager:
         for fn in self.listeners:
             fn("added", ref)
         return ref
+
+    def _check_resources(self) -> None:
+        """Fail now, naming the shortfall, rather than leave an actor pending for resources."""
+        free = ray.available_resources()
+        for key, need in (("CPU", self.cfg.cpus_per_worker), ("GPU", self.cfg.gpus_per_worker)):
+            if need > 0 and free.get(key, 0.0) + 1e-9 < need:
+                raise ValueError(
+                    f"not enough {key} in the Ray cluster for another worker: it needs "
+                    f"{need:g}, {free.get(key, 0.0):g} is free; add nodes or lower "
+                    "cpus_per_worker/gpus_per_worker"
+                )
 
     async def scale(self, pool: str, replicas: int, drain_timeout_s: float = 60.0) -> list[str]:
         if replicas < 0:

@@ -208,7 +208,10 @@ class AdminService(pb_grpc.AdminServicer):
                 raise RouterError(
                     "INVALID_ARGUMENT", "replicas must be >= 1 (a pool needs a worker)"
                 )
-            names = await self.router.pools.scale(request.pool, request.replicas)
+            try:
+                names = await self.router.pools.scale(request.pool, request.replicas)
+            except ValueError as e:
+                raise RouterError("RESOURCE_EXHAUSTED", str(e)) from None
             return pb.ScaleResponse(workers=names)
         except RouterError as e:
             await _abort(context, e)

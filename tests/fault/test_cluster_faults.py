@@ -27,6 +27,7 @@ def cluster(tiny_llama_dir, tmp_path_factory):
             num_kv_blocks=128,
             block_size=4,
             transfer_timeout_s=3,
+            ray_num_cpus=3,  # room for one more worker, and no more
             data_dir=str(tmp_path_factory.mktemp("data")),
         )
     )
@@ -145,6 +146,11 @@ def test_drain_stops_routing_then_removes_the_worker(cluster):
     async def go():
         admin = cluster.client.admin
         await admin.Scale(pb.ScaleRequest(pool="decode", replicas=2), timeout=300)
+        too_many = None
+        try:  # a third decode worker does not fit in 3 logical CPUs: refused, not pending
+            await admin.Scale(pb.ScaleRequest(pool="decode", replicas=3), timeout=60)
+        except Exception as e:
+            too_many = (e.code().name, e.details())
         names = [w.name for w in (await cluster.client.status()).decode if w.alive]
         drained = await admin.Drain(pb.DrainRequest(worker=names[-1], timeout_s=30), timeout=60)
         after = [w.name for w in (await cluster.client.status()).decode if w.alive]
@@ -153,9 +159,10 @@ def test_drain_stops_routing_then_removes_the_worker(cluster):
             await admin.Drain(pb.DrainRequest(worker="decode-99"), timeout=30)
         except Exception as e:
             missing = e.code().name
-        return names, drained, after, missing
+        return names, drained, after, missing, too_many
 
-    names, drained, after, missing = cluster.run(go(), timeout=400)
+    names, drained, after, missing, too_many = cluster.run(go(), timeout=400)
+    assert too_many[0] == "RESOURCE_EXHAUSTED" and "not enough CPU" in too_many[1]
     assert len(names) == 2 and drained.drained and names[-1] not in after and len(after) == 1
     assert missing == "NOT_FOUND"
     r = cluster.run(
