@@ -206,35 +206,27 @@ async def run_tandem(
         kv_cache_gb=1.0,
         max_num_seqs=64,
     )
-    if system == "tandem-disagg":
-        cfg = ClusterConfig(
-            **common,
+    per_system = {
+        "tandem-disagg": dict(
             mode="disaggregated",
             prefill=1,
-            decode=1,
             cpus_per_worker=1,
             prefill_threads=prefill_threads,
             prefill_chunk_size=512,
             max_num_batched_tokens=2048,
-        )
-    elif system == "tandem-colocated":
-        cfg = ClusterConfig(
-            **common,
+        ),
+        # colocated: one worker with both cores; chunked, or a long prompt in one step
+        "tandem-colocated": dict(
+            mode="colocated", cpus_per_worker=2, prefill_chunk_size=256, max_num_batched_tokens=256
+        ),
+        "tandem-colocated-unchunked": dict(
             mode="colocated",
-            decode=1,
-            cpus_per_worker=2,
-            prefill_chunk_size=256,
-            max_num_batched_tokens=256,
-        )
-    else:
-        cfg = ClusterConfig(
-            **common,
-            mode="colocated",
-            decode=1,
             cpus_per_worker=2,
             enable_chunked_prefill=False,
             max_num_batched_tokens=4096,
-        )
+        ),
+    }
+    cfg = ClusterConfig(**common, decode=1, **per_system[system])
     cluster = await Cluster(cfg).start(progress=lambda m: log(f"  {m}"))
     try:
         await run_grpc(cluster.address, trace[:2], time.perf_counter())  # warm-up
