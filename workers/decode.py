@@ -16,6 +16,7 @@ A failed transfer frees the reservation and ends the request with an error.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 
@@ -49,12 +50,17 @@ class DecodeWorker(WorkerBase):
         self._pair_lock = threading.Lock()
         self._outputs: list[dict] = []
         self._cond = threading.Condition()
+        # (token batch, events) from the engine loop, logged to Redis and then published by
+        # the relay thread: no Redis round trip inside the decode loop, and a token reaches
+        # the router only once it is in the log.
+        self._relay: queue.Queue = queue.Queue()
         self._tokens_logged: dict[str, int] = {}
         self.state = None
         if redis_url:
             from cluster.state import StateStore
 
             self.state = StateStore(redis_url)
+        threading.Thread(target=self._relay_forever, name=f"{name}-relay", daemon=True).start()
         self.start_loop(self._on_outputs)
 
     # -- identity and status ----------------------------------------------------------------
@@ -164,8 +170,7 @@ class DecodeWorker(WorkerBase):
         rid = admission["request_id"]
         if rid not in self.engine.scheduler.reserved:
             return None  # cancelled while the KV was in flight
-        if self.state is not None:
-            self.state.append_tokens({rid: [first_token]})
+        self._publish([], {rid: [first_token]})
         self._tokens_logged[rid] = 1
         out = self.engine.add_prefilled(
             rid,
@@ -242,17 +247,33 @@ class DecodeWorker(WorkerBase):
             )
             if o.finished:
                 self._tokens_logged.pop(o.request_id, None)
-        if self.state is not None and batch:
-            try:
-                self.state.append_tokens(batch)  # one pipelined write per step
-            except Exception:
-                log.exception("token log write to Redis failed")
-        self._publish(events)
+        self._publish(events, batch)
 
-    def _publish(self, events: list[dict]) -> None:
-        with self._cond:
-            self._outputs.extend(events)
-            self._cond.notify_all()
+    def _publish(self, events: list[dict], tokens: dict[str, list[int]] | None = None) -> None:
+        self._relay.put((tokens or {}, events))
+
+    def _relay_forever(self) -> None:
+        while (item := self._relay.get()) is not None:
+            items = [item]
+            while not self._relay.empty():  # whatever queued meanwhile: one write for all
+                nxt = self._relay.get_nowait()
+                if nxt is None:
+                    self._relay.put(None)
+                    break
+                items.append(nxt)
+            batch: dict[str, list[int]] = {}
+            for tokens, _ in items:
+                for rid, ids in tokens.items():
+                    batch.setdefault(rid, []).extend(ids)
+            if self.state is not None and batch:
+                try:
+                    self.state.append_tokens(batch)  # one pipelined write
+                except Exception:
+                    log.exception("token log write to Redis failed")
+            with self._cond:
+                for _, events in items:
+                    self._outputs.extend(events)
+                self._cond.notify_all()
 
     def poll(self, timeout_s: float = 1.0) -> list[dict]:
         """Everything produced since the last poll; waits up to timeout_s for something."""
@@ -264,6 +285,7 @@ class DecodeWorker(WorkerBase):
 
     def shutdown(self) -> None:
         self.loop.stop()
+        self._relay.put(None)
         with self._pair_lock:
             for _, g in self.pairs.values():
                 g.close()

@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -51,7 +52,8 @@ class PrefillWorker(WorkerBase):
         super().__init__(name, engine_config, transfer_host, transfer_timeout_s)
         self.jobs: dict[str, dict] = {}
         self.first: dict[str, Future] = {}
-        self.pushes: dict[str, _Push] = {}
+        self.pushes: dict[str, _Push] = {}  # in flight
+        self.push_results: OrderedDict[str, dict] = OrderedDict()  # the latest few, for callers
         self.senders: dict[str, _Sender] = {}
         self.queued_tokens = 0
         self.engine.scheduler.before_free = self._export
@@ -142,12 +144,16 @@ class PrefillWorker(WorkerBase):
     def push_result(self, request_id: str, timeout_s: float = 60.0) -> dict:
         """Wait for a request's KV push to finish: {ok, seconds} or {ok: False, error}."""
         push = self.pushes.get(request_id)
-        if push is None:
-            return {"ok": False, "error": "no such push"}
-        try:
+        if push is not None:
             return push.done.result(timeout_s)
-        finally:
-            self.pushes.pop(request_id, None)
+        return self.push_results.get(request_id, {"ok": False, "error": "no such push"})
+
+    def _push_done(self, push: _Push, result: dict) -> None:
+        self.push_results[push.desc.request_id] = result
+        while len(self.push_results) > 1024:
+            self.push_results.popitem(last=False)
+        self.pushes.pop(push.desc.request_id, None)
+        push.done.set_result(result)
 
     def shutdown(self) -> None:
         self.loop.stop()
@@ -191,8 +197,7 @@ class _Sender:
         handle = self.decode["handle"]
         timeout = self.owner.transfer_timeout_s
         if push.job.get("cancelled"):
-            push.done.set_result({"ok": False, "error": "cancelled"})
-            self.owner.pushes.pop(rid, None)
+            self.owner._push_done(push, {"ok": False, "error": "cancelled"})
             return
         try:
             t0 = time.perf_counter()
@@ -216,7 +221,7 @@ class _Sender:
             if not result.get("ok"):
                 raise TransferError(result.get("error", "receiver failed"))
             result["send_seconds"] = time.perf_counter() - t0
-            push.done.set_result(result)
+            self.owner._push_done(push, result)
         except Exception as e:
             message = f"KV push {self.owner.name} -> {self.decode['name']} failed: {e}"
             log.warning("%s (request %s)", message, rid)
@@ -227,7 +232,7 @@ class _Sender:
                 ray.get(handle.fail_request.remote(rid, message), timeout=timeout)
             except Exception:
                 log.warning("could not tell %s that %s failed", self.decode["name"], rid)
-            push.done.set_result({"ok": False, "error": message})
+            self.owner._push_done(push, {"ok": False, "error": message})
 
     def _ensure_group(self, handle, timeout: float) -> None:
         import ray

@@ -129,10 +129,6 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached[block_hash] = block_id
 
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            self._evict(block)
-
     def _evict(self, block: Block) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) == block.block_id:

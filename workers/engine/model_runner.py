@@ -92,9 +92,6 @@ class ModelRunner:
         torch.index_select(v, 0, idx, out=out[1])
         return out
 
-    def export_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
-        return [self.export_layer(i, block_ids) for i in range(len(self.kv_caches))]
-
     def import_layer(self, layer: int, block_ids: list[int], data: torch.Tensor) -> None:
         """Write one layer of a transfer's payload into reserved blocks."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
@@ -102,10 +99,6 @@ class ModelRunner:
         data = data.to(self.device)
         k.index_copy_(0, idx, data[0])
         v.index_copy_(0, idx, data[1])
-
-    def import_blocks(self, block_ids: list[int], layers: list[torch.Tensor]) -> None:
-        for i, data in enumerate(layers):
-            self.import_layer(i, block_ids, data)
 
     def _slots(self, blocks: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -116,10 +109,9 @@ class ModelRunner:
         decode_tables = decode_lens = None
         if out.decodes:
             width = max(len(s.block_ids) for s in out.decodes)
-            table = torch.zeros(len(out.decodes), width, dtype=torch.long)
-            for i, s in enumerate(out.decodes):
-                table[i, : len(s.block_ids)] = torch.tensor(s.block_ids)
-            decode_tables = table.to(dev)
+            # One tensor from padded lists, not one small tensor per sequence per step.
+            padded = [s.block_ids + [0] * (width - len(s.block_ids)) for s in out.decodes]
+            decode_tables = torch.tensor(padded, dtype=torch.long, device=dev)
             decode_lens = torch.tensor([s.context_len for s in out.decodes], device=dev)
         prefills, row = [], len(out.decodes)
         for s in out.prefills:

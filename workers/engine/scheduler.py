@@ -136,13 +136,6 @@ class Scheduler:
         self.running.append(req)
         self.kv.publish(req)
 
-    def check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        return self._check_stop(req, token)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -227,7 +220,7 @@ class Scheduler:
             req.output_token_ids.append(tok.token_id)
             if tok.logprob is not None:
                 req.output_logprobs.append(tok.logprob)
-            status = self._check_stop(req, tok.token_id)
+            status = self.check_stop(req, tok.token_id)
             if status is not None:
                 self.finish_request(req.request_id, status)
             results.append((req, [tok.token_id]))
@@ -263,7 +256,7 @@ class Scheduler:
         # A padding row recomputes the ended member's last computed position (its slot is
         # allocated); the sampled token is dropped.
         start = req.num_tokens - 2 if padding else req.num_computed_tokens
-        tokens = req.all_token_ids[start : start + n]
+        tokens = req.token_slice(start, start + n)
         sched = ScheduledRequest(
             request_id=req.request_id,
             token_ids=tokens,
@@ -285,7 +278,8 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         self.waiting.append(req)
 
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+    def check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        """The status that `token` ends the request with, or None."""
         sp = req.sampling
         if token in sp.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED

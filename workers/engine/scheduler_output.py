@@ -34,10 +34,6 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)  # lost their blocks this step
     failed: list[tuple[str, str]] = field(default_factory=list)  # (id, error) ended unscheduled
 
-    @classmethod
-    def make_empty(cls) -> SchedulerOutput:
-        return cls()
-
     @property
     def scheduled(self) -> list[ScheduledRequest]:
         """Decodes first, then prefills: the row order of the model's flattened batch."""
