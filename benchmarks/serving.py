@@ -194,39 +194,32 @@ def summarize(records: list[dict], duration: float, slo_ttft: float, slo_tpot: f
 async def run_tandem(
     system: str, model_dir: Path, trace: list[dict], data_dir: Path, prefill_threads: int
 ) -> tuple:
+    from cluster import config_io
     from cluster.cluster import Cluster
     from cluster.config import ClusterConfig
 
-    common = dict(
-        model=str(model_dir),
-        dtype="bfloat16",
-        port=0,
-        dashboard=False,
-        data_dir=str(data_dir),
-        kv_cache_gb=1.0,
-        max_num_seqs=64,
-    )
+    engine = dict(model=str(model_dir), dtype="bfloat16", kv_cache_gb=1.0, max_num_seqs=64)
     per_system = {
         "tandem-disagg": dict(
             mode="disaggregated",
-            prefill=1,
-            cpus_per_worker=1,
-            prefill_threads=prefill_threads,
-            prefill_chunk_size=512,
-            max_num_batched_tokens=2048,
+            prefill=dict(replicas=1, cpus=1, threads=prefill_threads),
+            decode=dict(replicas=1, cpus=1),
+            engine=dict(engine, prefill_chunk_size=512, max_num_batched_tokens=2048),
         ),
         # colocated: one worker with both cores; chunked, or a long prompt in one step
         "tandem-colocated": dict(
-            mode="colocated", cpus_per_worker=2, prefill_chunk_size=256, max_num_batched_tokens=256
+            mode="colocated",
+            decode=dict(replicas=1, cpus=2),
+            engine=dict(engine, prefill_chunk_size=256, max_num_batched_tokens=256),
         ),
         "tandem-colocated-unchunked": dict(
             mode="colocated",
-            cpus_per_worker=2,
-            enable_chunked_prefill=False,
-            max_num_batched_tokens=4096,
+            decode=dict(replicas=1, cpus=2),
+            engine=dict(engine, enable_chunked_prefill=False, max_num_batched_tokens=4096),
         ),
     }
-    cfg = ClusterConfig(**common, decode=1, **per_system[system])
+    values = dict(per_system[system], router={"port": 0}, dashboard=False, data_dir=str(data_dir))
+    cfg = config_io.build(ClusterConfig, values, system)
     cluster = await Cluster(cfg).start(progress=lambda m: log(f"  {m}"))
     try:
         await run_grpc(cluster.address, trace[:2], time.perf_counter())  # warm-up

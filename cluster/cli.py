@@ -1,9 +1,12 @@
 """The `tandem` command line.
 
 tandem up [--config F] [--model M] [--prefill N] [--decode M] [--mode ...] [--port P] ...
+tandem router --ray-address ADDR --redis-url URL [--port P]
 tandem generate --offline [--model M] [--dtype D] [--requests FILE.jsonl] [--json] [PROMPT]
-tandem generate --address HOST:PORT [--requests FILE.jsonl] [--concurrency N] [--json] [PROMPT]
+tandem generate --address HOST:PORT[,HOST:PORT...] [--requests FILE.jsonl] [--json] [PROMPT]
 tandem status --address HOST:PORT [--json]
+
+Only `up`, `router` and `generate --offline` load torch; the rest are thin gRPC clients.
 """
 
 from __future__ import annotations
@@ -14,58 +17,19 @@ import logging
 import sys
 import time
 
+from cluster import config_io
 from cluster.requests_file import read_requests
-from workers.engine.config import DTYPES, EngineConfig
+from workers.completion import GenerationRequest
+from workers.engine.config import EngineConfig
 from workers.engine.request import SamplingParams
-from workers.model.config import CheckpointError
-from workers.offline import GenerationRequest
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="a .gguf file or an HF folder (default: SmolLM2-135M-Instruct)",
-    )
-    g.add_argument("--dtype", default="float32", choices=DTYPES)
-    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    g.add_argument(
-        "--attention-backend", default="auto", choices=("auto", "torch", "torch-sdpa", "flash-attn")
-    )
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-gb", type=float, default=1.0)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--prefill-chunk-size", type=int, default=512)
-    g.add_argument("--no-chunked-prefill", action="store_true")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--policy", default="fcfs", choices=("fcfs", "priority"))
-    g.add_argument("--batching", default="continuous", choices=("continuous", "static"))
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    config_io.add_flags(p, EngineConfig, title="engine")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_gb=args.kv_cache_gb,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_chunked_prefill=not args.no_chunked_prefill,
-        prefill_chunk_size=args.prefill_chunk_size,
-        enable_prefix_caching=not args.no_prefix_caching,
-        policy=args.policy,
-        batching=args.batching,
-        num_threads=args.threads,
-    )
+    return config_io.load(EngineConfig, None, config_io.overrides_from_args(EngineConfig, args))
 
 
 def _requests(args: argparse.Namespace) -> list[GenerationRequest]:
@@ -74,7 +38,9 @@ def _requests(args: argparse.Namespace) -> list[GenerationRequest]:
     if args.requests:
         return read_requests(args.requests)
     sampling = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=getattr(args, "cfg__seed", None),
     )
     return [GenerationRequest(prompt=args.prompt, sampling=sampling)]
 
@@ -138,6 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from cluster.cli_remote import generate_remote
 
         return asyncio.run(generate_remote(args, requests))
+    from workers.model.config import CheckpointError
     from workers.offline import LLM
 
     print("[tandem] loading model...", file=sys.stderr, flush=True)
@@ -165,7 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate completions")
     gen.add_argument("prompt", nargs="?", help="one prompt, sent as a user chat message")
     gen.add_argument("--offline", action="store_true", help="run an in-process engine")
-    gen.add_argument("--address", help="a running cluster's router, HOST:PORT")
+    gen.add_argument(
+        "--address",
+        help="a running cluster's router, HOST:PORT; several, comma-separated, to resume on "
+        "the next one if a router dies",
+    )
     gen.add_argument("--concurrency", type=int, default=16, help="with --address")
     gen.add_argument("--timeout", type=float, default=600, help="seconds per request")
     gen.add_argument("--token", help="bearer token, if the cluster requires one")
@@ -173,13 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON line per request, in order")
     gen.add_argument("--max-tokens", type=int, default=256, help="for a PROMPT (default 256)")
     gen.add_argument("--temperature", type=float, default=0.0, help="for a PROMPT (default 0)")
-    gen.add_argument("--seed", type=int, default=None, help="for a PROMPT")
     add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
     from cluster.cli_remote import cmd_status
-    from cluster.cli_up import add_up_parser
+    from cluster.cli_up import add_router_parser, add_up_parser
 
     add_up_parser(sub)
+    add_router_parser(sub)
     st = sub.add_parser("status", help="per-worker state of a running cluster")
     st.add_argument("--address", required=True)
     st.add_argument("--json", action="store_true")

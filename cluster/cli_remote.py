@@ -67,8 +67,25 @@ async def _status(args) -> int:
     if args.json:
         print(json.dumps(s))
         return 0
+    print_status(s)
+    return 0
+
+
+def print_status(s: dict) -> None:
     r = s["router"]
-    print(f"router: mode={r['mode']} queue_depth={r['queue_depth']} in_flight={r['in_flight']}")
+    print(
+        f"router {r['router_id']}{' (controller)' if r['controller'] else ''}: "
+        f"mode={r['mode']} queue_depth={r['queue_depth']} in_flight={r['in_flight']} "
+        f"store={'ok' if r['store_available'] else 'UNREACHABLE'}"
+    )
+    print(
+        f"replays: {r['replays_in_flight']} in flight, {r['replays_total']} started, "
+        f"{r['replays_recovered']} recovered (failure to next token p50 "
+        f"{r['recovery_p50_s']:.2f} s, max {r['recovery_max_s']:.2f} s)"
+    )
+    for pool, p in s["pools"].items():
+        starting = f", {p['starting']} starting" if p["starting"] else ""
+        print(f"{pool} pool: {p['live']}/{p['target']} live{starting}, {p['restarts']} restarts")
     for pool in ("prefill", "decode"):
         for w in s[pool]:
             print(
@@ -77,4 +94,3 @@ async def _status(args) -> int:
                 f"running={w['running']} waiting={w['waiting']}"
                 f"{' draining' if w['draining'] else ''}"
             )
-    return 0

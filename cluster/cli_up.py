@@ -1,4 +1,6 @@
-"""`tandem up`: start (or join) Ray, Redis, the pools and the router; stop on Ctrl-C/SIGTERM."""
+"""`tandem up`: start (or join) Ray, Redis, the pools and a router; stop on Ctrl-C/SIGTERM.
+`tandem router`: serve one more router for a running cluster, from Ray's and Redis's
+addresses alone; stopping it leaves the cluster running."""
 
 from __future__ import annotations
 
@@ -7,79 +9,91 @@ import asyncio
 import signal
 import sys
 
-from cluster.config import load_config
-
 
 def add_up_parser(sub) -> None:
-    up = sub.add_parser("up", help="start a cluster serving a model")
+    from cluster.config import add_flags
+
+    up = sub.add_parser(
+        "up",
+        help="start a cluster serving a model",
+        description="Every config file field has a flag; flags win over the file.",
+    )
     up.add_argument("--config", help="YAML or TOML file of cluster config fields")
-    up.add_argument("--model")
-    up.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    up.add_argument("--device")
-    up.add_argument("--prefill", type=int, help="prefill workers (default 1)")
-    up.add_argument("--decode", type=int, help="decode workers (default 1)")
-    up.add_argument("--mode", choices=("disaggregated", "colocated"))
-    up.add_argument("--host")
-    up.add_argument("--port", type=int, help="router port (default 50051; 0 picks one)")
-    up.add_argument("--data-dir", dest="data_dir")
-    up.add_argument("--redis-url", dest="redis_url")
-    up.add_argument("--ray-address", dest="ray_address")
-    up.add_argument("--no-dashboard", dest="dashboard", action="store_const", const=False)
-    up.add_argument("--cpus-per-worker", dest="cpus_per_worker", type=float)
-    up.add_argument("--kv-cache-gb", dest="kv_cache_gb", type=float)
-    up.add_argument("--block-size", dest="block_size", type=int)
-    up.add_argument("--auth-token", dest="auth_token")
+    add_flags(up)
     up.set_defaults(func=cmd_up)
 
 
-_FIELDS = (
-    "model",
-    "dtype",
-    "device",
-    "prefill",
-    "decode",
-    "mode",
-    "host",
-    "port",
-    "data_dir",
-    "redis_url",
-    "ray_address",
-    "dashboard",
-    "cpus_per_worker",
-    "kv_cache_gb",
-    "block_size",
-    "auth_token",
-)
+def add_router_parser(sub) -> None:
+    r = sub.add_parser(
+        "router",
+        help="serve another router for a running cluster",
+        description="Joins the Ray cluster and the Redis of a cluster that `tandem up` "
+        "started, finds its workers, and serves gRPC. Routers share the work: any of them "
+        "resumes any request, and one of them at a time heals the pools and replays the "
+        "requests of a router that died.",
+    )
+    r.add_argument("--ray-address", required=True, help="the Ray cluster (HOST:PORT or auto)")
+    r.add_argument("--redis-url", required=True, help="the cluster's Redis")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=50052)
+    r.set_defaults(func=cmd_router)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from cluster.config import load_config
+
     try:
-        cfg = load_config(args.config, {k: getattr(args, k) for k in _FIELDS})
+        cfg = load_config(args.config, args)
     except ValueError as e:
         print(f"tandem up: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(cfg))
+    return asyncio.run(_serve(cfg, join=False))
 
 
-async def _serve(cfg) -> int:
+def cmd_router(args: argparse.Namespace) -> int:
+    from cluster import config_io
+    from cluster.config import ClusterConfig
+
+    try:
+        cfg = config_io.build(
+            ClusterConfig,
+            {
+                "ray_address": args.ray_address,
+                "redis": {"url": args.redis_url},
+                "router": {"host": args.host, "port": args.port},
+            },
+            "flags",
+        )
+    except ValueError as e:
+        print(f"tandem router: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(cfg, join=True))
+
+
+async def _serve(cfg, join: bool) -> int:
     from cluster.cluster import Cluster
 
     def say(msg: str) -> None:
         print(f"[tandem] {msg}", file=sys.stderr, flush=True)
 
-    cluster = Cluster(cfg)
+    cluster = Cluster(cfg, join=join)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     try:
         await cluster.start(progress=say)
     except Exception as e:
-        say(f"start failed: {e}")
+        say(f"start failed: {type(e).__name__}: {e}")
         await cluster.stop()
         return 1
     # After ray.init, which installs handlers of its own that would kill us mid-shutdown.
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print(f"tandem serving on {cluster.address} ({cfg.mode}); Ctrl-C to stop", flush=True)
+    if cluster._started_ray and cfg.dashboard:
+        say(
+            "Ray dashboard: http://127.0.0.1:8265 (it asks for Ray's token: "
+            "`ray get-auth-token` prints it)"
+        )
+    print(f"tandem serving on {cluster.address} ({cluster.cfg.mode}); Ctrl-C to stop", flush=True)
     await stop.wait()
     say("shutting down")
     await cluster.stop()

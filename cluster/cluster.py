@@ -1,111 +1,175 @@
-"""Everything `tandem up` runs, started in order and stopped in reverse:
-Ray (started, or joined), Redis (embedded, or given), the two pools, the router."""
+"""What `tandem up` and `tandem router` run, started in order and stopped in reverse:
+
+    tandem up:     Ray (started, or joined) -> Redis (embedded, or given) -> the two pools
+                   -> a router (the first controller)
+    tandem router: Ray (joined) -> Redis (given) -> the pools as they are -> another router
+
+`tandem up` writes the cluster's config to Redis, so another router can join with no more
+than Ray's and Redis's addresses. Workers are detached actors: they outlive any router, and
+only `tandem up`'s orderly stop removes them.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import ray
 
+from cluster import config_io
 from cluster.config import ClusterConfig
-from cluster.pools import PoolConfig, PoolManager
+from cluster.pools import NAMESPACE, PoolManager, PoolSpec, pool_engine
 from cluster.redis_server import EmbeddedRedis
-from cluster.state import StateStore
-from router.core import Router, RouterConfig
+from cluster.state import RedisStore, redact
+from router.core import Router
 from router.server import start_server
+from workers.messages import Pool
 from workers.model.loader import read_model_config, resolve_model
 from workers.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+CONFIG_KEY = "config"
+
+
+def init_ray(cfg: ClusterConfig, progress) -> bool:
+    """Join cfg.ray_address or start a local Ray; True if this process started it."""
+    if ray.is_initialized():
+        return False
+    env = {"env_vars": {"TANDEM_CPU_KERNELS": os.environ.get("TANDEM_CPU_KERNELS", "1")}}
+    if cfg.ray_address:
+        progress(f"joining Ray at {cfg.ray_address}")
+        ray.init(address=cfg.ray_address, namespace=NAMESPACE, log_to_driver=True, runtime_env=env)
+        return False
+    cpus = cfg.ray_num_cpus or max(2, int(cfg.workers_cpus + 0.999))
+    progress(f"starting Ray with {cpus} logical CPUs")
+    ray.init(num_cpus=cpus, include_dashboard=cfg.dashboard, namespace=NAMESPACE, runtime_env=env)
+    return True
 
 
 class Cluster:
-    def __init__(self, cfg: ClusterConfig) -> None:
+    def __init__(self, cfg: ClusterConfig, join: bool = False) -> None:
+        """join=False: start the pools (tandem up); True: serve the pools that another
+        `tandem up` started, reading the cluster's config from its Redis (tandem router)."""
         self.cfg = cfg
+        self.join = join
         self.redis: EmbeddedRedis | None = None
+        self.store: RedisStore | None = None
         self.pools: PoolManager | None = None
         self.router: Router | None = None
         self.server = None
+        self.controller = None
         self.port: int | None = None
         self._started_ray = False
 
     @property
     def address(self) -> str:
-        return f"{self.cfg.host}:{self.port}"
+        return f"{self.cfg.router.host}:{self.port}"
 
     async def start(self, progress=print) -> Cluster:
         cfg = self.cfg
-        src = resolve_model(cfg.model)  # fail fast on a bad model, before starting anything
+        redis_url = cfg.redis.url
+        if self.join:
+            if not redis_url:
+                raise ValueError("a joining router needs the cluster's --redis-url")
+            self.store = RedisStore(redis_url, cfg.redis.ttl_s, cfg.redis.timeout_s)
+            cfg = self.cfg = await self._joined_config(cfg)
+        src = resolve_model(cfg.engine.model)  # fail fast on a bad model, before anything
         model_cfg = read_model_config(src)
-        if not ray.is_initialized():
-            if cfg.ray_address:
-                progress(f"joining Ray at {cfg.ray_address}")
-                ray.init(address=cfg.ray_address, namespace="tandem", log_to_driver=True)
-            else:
-                cpus = cfg.ray_num_cpus or max(2, int(cfg.workers_cpus + 0.999))
-                progress(f"starting Ray with {cpus} logical CPUs")
-                ray.init(
-                    num_cpus=cpus,
-                    include_dashboard=cfg.dashboard,
-                    namespace="tandem",
-                    runtime_env={
-                        "env_vars": {
-                            "TANDEM_CPU_KERNELS": os.environ.get("TANDEM_CPU_KERNELS", "1")
-                        }
-                    },
-                )
-            self._started_ray = True
-        redis_url = cfg.redis_url
-        if redis_url is None:
-            self.redis = EmbeddedRedis(Path(cfg.data_dir) / "redis").start()
-            redis_url = self.redis.url
-            progress(f"embedded Redis at {redis_url} (AOF in {self.redis.data_dir})")
-        state = StateStore(redis_url)
-        state.ping()
+        self._started_ray = init_ray(cfg, progress)
+        if self.store is None:
+            if redis_url is None:
+                self.redis = EmbeddedRedis(Path(cfg.data_dir) / "redis").start()
+                redis_url = self.redis.url
+                progress(f"embedded Redis at {redis_url} (AOF in {self.redis.data_dir})")
+            self.store = RedisStore(redis_url, cfg.redis.ttl_s, cfg.redis.timeout_s)
+            await self.store.ping()
+            stored = replace(cfg, redis=replace(cfg.redis, url=redis_url))
+            await self.store.put_json(CONFIG_KEY, config_io.to_mapping(stored))
         self.pools = PoolManager(
-            PoolConfig(
-                engine_configs={p: cfg.engine_config(p) for p in ("prefill", "decode")},
-                redis_url=redis_url,
-                transfer_host=cfg.host if cfg.host != "0.0.0.0" else "127.0.0.1",
-                transfer_timeout_s=cfg.transfer_timeout_s,
-                cpus_per_worker=cfg.cpus_per_worker,
-                gpus_per_worker=cfg.gpus_per_worker,
+            {p: self._pool_spec(p) for p in cfg.pools},
+            self.store.token_log(),
+            transfer_host=_transfer_host(cfg.router.host),
+            transfer_timeout_s=cfg.transfer_timeout_s,
+        )
+        if self.join:
+            progress("finding the cluster's workers")
+            await self._discover_workers()
+        else:
+            counts = ", ".join(f"{cfg.pool(p).replicas} {p.value}" for p in cfg.pools)
+            progress(f"starting {counts} workers ({cfg.mode})")
+            await asyncio.gather(
+                *[self.pools.spawn(p) for p in cfg.pools for _ in range(cfg.pool(p).replicas)]
             )
-        )
-        n_prefill = cfg.prefill if cfg.mode == "disaggregated" else 0
-        progress(f"starting {n_prefill} prefill and {cfg.decode} decode workers ({cfg.mode})")
-        await asyncio.gather(
-            *[self.pools.spawn("prefill") for _ in range(n_prefill)],
-            *[self.pools.spawn("decode") for _ in range(cfg.decode)],
-        )
-        tokenizer = Tokenizer(src)
-        max_len = model_cfg.max_position_embeddings
         self.router = Router(
             self.pools,
-            tokenizer,
-            cfg.block_size,
-            state,
-            RouterConfig(max_in_flight=cfg.max_in_flight, max_queue=cfg.max_queue),
+            Tokenizer(src),
+            cfg.engine.block_size,
+            self.store,
+            cfg.router,
             mode=cfg.mode,
         )
         await self.router.start()
-        self.server, self.port = await start_server(
-            self.router, cfg.port, max_len, model_cfg.vocab_size, cfg.mode, cfg.auth_token, cfg.host
+        self.server, self.port, self.controller = await start_server(
+            self.router,
+            cfg.router.port,
+            model_cfg.max_position_embeddings,
+            model_cfg.vocab_size,
+            cfg.mode,
+            cfg.router.auth_token,
+            cfg.router.host,
         )
-        progress(f"router listening on {self.address}")
+        progress(f"router {self.router.id} listening on {self.address}")
         return self
+
+    def _pool_spec(self, pool: Pool) -> PoolSpec:
+        p = self.cfg.pool(pool)
+        return PoolSpec(
+            p.replicas,
+            pool_engine(self.cfg.engine, p.threads, p.cpus),
+            p.cpus,
+            p.gpus,
+            tuple(sorted(p.resources.items())),
+        )
+
+    async def _joined_config(self, cfg: ClusterConfig) -> ClusterConfig:
+        stored = await self.store.get_json(CONFIG_KEY)
+        if stored is None:
+            raise ValueError(
+                f"no Tandem cluster config in Redis at {redact(cfg.redis.url)}: start the "
+                "cluster with `tandem up` first, pointing it at this Redis"
+            )
+        stored["router"] = {**stored["router"], "host": cfg.router.host, "port": cfg.router.port}
+        stored["redis"] = {**stored["redis"], "url": cfg.redis.url}
+        stored["ray_address"] = cfg.ray_address
+        return config_io.build(ClusterConfig, stored, "the cluster config in Redis")
+
+    async def _discover_workers(self, timeout_s: float = 120.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            await self.pools.refresh()
+            if all(self.pools.members(p) for p in self.cfg.pools):
+                return
+            await asyncio.sleep(0.5)
+        raise RuntimeError(f"found no live worker of every pool in {timeout_s:.0f} s")
 
     async def stop(self) -> None:
         if self.server is not None:
             await self.server.stop(grace=2)
         if self.router is not None:
             await self.router.stop()
-        if self.pools is not None:
+        if self.pools is not None and not self.join:
             await self.pools.stop_all()
+        if self.store is not None:
+            await self.store.close()
         if self.redis is not None:
             self.redis.stop()
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
+
+
+def _transfer_host(host: str) -> str:
+    return host if host not in ("0.0.0.0", "::") else "127.0.0.1"

@@ -1,110 +1,135 @@
-"""Cluster configuration: one frozen dataclass, read from a YAML or TOML file, overridden by
-command-line flags, validated once with errors that name the field."""
+"""The cluster's configuration: one tree of frozen dataclasses. `ClusterConfig` nests the
+engine's, each pool's, the router's and Redis's; the scheduler's derives from the engine's.
+The config file (YAML or TOML) and the flags of `tandem up` are both generated from these
+fields (cluster/config_io.py), and validated once, with errors that name the field.
+
+    mode: disaggregated
+    engine: {dtype: bfloat16, kv_cache_gb: 1.0}
+    prefill: {replicas: 1, threads: 2}
+    decode: {replicas: 1}
+    router: {port: 50051}
+    redis: {url: null}          # null: an embedded redis-server in data_dir
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import tomllib
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
-import yaml
+from cluster import config_io
+from router.config import RouterConfig
+from workers.engine.config import EngineConfig
+from workers.messages import Pool
 
-from workers.engine.config import DTYPES
+MODES = ("disaggregated", "colocated")
+
+
+def _h(text: str, **more) -> dict:
+    return {"help": text, **more}
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    replicas: int = field(default=1, metadata=_h("workers in the pool", aliases=("--{section}",)))
+    cpus: float = field(default=1.0, metadata=_h("Ray CPUs each worker declares"))
+    gpus: float = field(default=0.0, metadata=_h("Ray GPUs each worker declares"))
+    threads: int | None = field(
+        default=None, metadata=_h("torch threads per worker on CPU (default: its cpus)")
+    )
+    resources: dict[str, float] = field(
+        default_factory=dict,
+        metadata=_h("custom Ray resources each worker needs, e.g. prefill=1 (name=value,...)"),
+    )
+
+    def __post_init__(self) -> None:
+        if self.replicas < 0:
+            raise ValueError(f"replicas={self.replicas}: must be >= 0")
+        if self.cpus < 0 or self.gpus < 0:
+            raise ValueError(f"cpus={self.cpus}, gpus={self.gpus}: must be >= 0")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads={self.threads}: must be >= 1")
+        for k, v in self.resources.items():
+            if v < 0:
+                raise ValueError(f"resources[{k!r}]={v}: must be >= 0")
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    url: str | None = field(
+        default=None,
+        metadata=_h(
+            "redis:// or rediss:// URL, with a password if it needs one "
+            "(default: an embedded redis-server with AOF in data_dir)"
+        ),
+    )
+    ttl_s: int = field(default=3600, metadata=_h("how long ended requests stay in Redis"))
+    timeout_s: float = field(default=5.0, metadata=_h("socket timeout of every Redis call"))
+
+    def __post_init__(self) -> None:
+        if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"url={self.url!r}: use redis://, rediss:// or unix://")
+        if self.ttl_s <= 0 or self.timeout_s <= 0:
+            raise ValueError(f"ttl_s={self.ttl_s}, timeout_s={self.timeout_s}: must be positive")
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    model: str | None = None
-    dtype: str = "float32"
-    device: str = "cpu"
-    mode: str = "disaggregated"  # or "colocated"
-    prefill: int = 1
-    decode: int = 1
-    host: str = "127.0.0.1"
-    port: int = 50051
-    data_dir: str = "./tandem-data"
-    redis_url: str | None = None  # None: an embedded redis-server in data_dir
-    ray_address: str | None = None  # None: start a local Ray
-    ray_num_cpus: int | None = None  # logical CPUs of a local Ray (default: what the pools need)
-    dashboard: bool = True
-    auth_token: str | None = None
-    block_size: int = 16
-    kv_cache_gb: float = 1.0
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    prefill_chunk_size: int = 512
-    enable_chunked_prefill: bool = True
-    cpus_per_worker: float = 1.0
-    # torch threads per worker on CPU (default: cpus_per_worker). Prefill is bursty: letting
-    # it use more threads than its share speeds long prompts while decode waits less.
-    prefill_threads: int | None = None
-    decode_threads: int | None = None
-    gpus_per_worker: float = 0.0
-    transfer_timeout_s: float = 10.0
-    max_in_flight: int = 256
-    max_queue: int = 1024
+    mode: str = field(
+        default="disaggregated",
+        metadata=_h("split prefill and decode into two pools, or run both in one", choices=MODES),
+    )
+    data_dir: str = field(
+        default="./tandem-data", metadata=_h("where the embedded Redis keeps its AOF")
+    )
+    ray_address: str | None = field(
+        default=None, metadata=_h("join this Ray cluster (default: start a local one)")
+    )
+    ray_num_cpus: int | None = field(
+        default=None, metadata=_h("logical CPUs of a local Ray (default: what the pools need)")
+    )
+    dashboard: bool = field(default=True, metadata=_h("start the Ray dashboard"))
+    transfer_timeout_s: float = field(
+        default=10.0, metadata=_h("longest wait of any KV rendezvous, send or receive")
+    )
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"config field {name}={getattr(self, name)!r}: {why}")
+            return ValueError(f"config field {name}: {why}")
 
-        if self.mode not in ("disaggregated", "colocated"):
-            raise bad("mode", "choose disaggregated or colocated")
-        if self.dtype not in DTYPES:
-            raise bad("dtype", f"choose from {', '.join(DTYPES)}")
-        if self.mode == "disaggregated" and self.prefill < 1:
-            raise bad("prefill", "a disaggregated cluster needs at least one prefill worker")
-        if self.decode < 1:
-            raise bad("decode", "at least one decode worker is needed")
-        if not 0 <= self.port < 65536:
-            raise bad("port", "must be a TCP port (0 picks a free one)")
-        for name in ("cpus_per_worker", "transfer_timeout_s", "kv_cache_gb"):
-            if getattr(self, name) <= 0:
-                raise bad(name, "must be positive")
+        if self.mode not in MODES:
+            raise bad("mode", f"{self.mode!r}: choose disaggregated or colocated")
+        if self.mode == "disaggregated" and self.prefill.replicas < 1:
+            raise bad("prefill.replicas", "a disaggregated cluster needs a prefill worker")
+        if self.decode.replicas < 1:
+            raise bad("decode.replicas", "at least one decode worker is needed")
+        if self.transfer_timeout_s <= 0:
+            raise bad("transfer_timeout_s", "must be positive")
+
+    def pool(self, pool: Pool) -> PoolConfig:
+        return self.prefill if pool is Pool.PREFILL else self.decode
+
+    @property
+    def pools(self) -> tuple[Pool, ...]:
+        return (Pool.PREFILL, Pool.DECODE) if self.mode == "disaggregated" else (Pool.DECODE,)
 
     @property
     def workers_cpus(self) -> float:
-        n = self.decode + (self.prefill if self.mode == "disaggregated" else 0)
-        return n * self.cpus_per_worker
-
-    def engine_config(self, pool: str = "decode") -> dict:
-        threads = self.prefill_threads if pool == "prefill" else self.decode_threads
-        if threads is None:
-            threads = max(1, int(self.cpus_per_worker))
-        return {
-            "model": self.model,
-            "dtype": self.dtype,
-            "device": self.device,
-            "block_size": self.block_size,
-            "kv_cache_memory_gb": self.kv_cache_gb,
-            "num_kv_blocks": self.num_kv_blocks,
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "prefill_chunk_size": self.prefill_chunk_size,
-            "enable_chunked_prefill": self.enable_chunked_prefill,
-            "num_threads": threads if self.device == "cpu" else None,
-        }
+        return sum(self.pool(p).replicas * self.pool(p).cpus for p in self.pools)
 
 
-def load_config(path: str | None, overrides: dict) -> ClusterConfig:
-    """File values first, then every override that is not None."""
-    values: dict = {}
-    if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"{p}: no such config file")
-        text = p.read_text()
-        try:
-            values = tomllib.loads(text) if p.suffix == ".toml" else (yaml.safe_load(text) or {})
-        except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
-            raise ValueError(f"{p}: cannot parse ({e})") from None
-        if not isinstance(values, dict):
-            raise ValueError(f"{p}: expected a mapping of config fields")
-    known = {f.name for f in dataclasses.fields(ClusterConfig)}
-    unknown = set(values) - known
-    if unknown:
-        raise ValueError(f"{path}: unknown config field(s) {', '.join(sorted(unknown))}")
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return ClusterConfig(**values)
+# Sections whose flags carry no prefix: `--block-size`, `--port` (engine and router fields).
+FLAT = frozenset({"engine", "router"})
+
+
+def add_flags(parser) -> None:
+    config_io.add_flags(parser, ClusterConfig, FLAT, title="cluster config (file fields)")
+
+
+def load_config(path: str | None, args=None) -> ClusterConfig:
+    """The file's values, then the flags given (if any): validated once."""
+    overrides = config_io.overrides_from_args(ClusterConfig, args) if args is not None else {}
+    return config_io.load(ClusterConfig, path, overrides)

@@ -1,115 +1,283 @@
-"""The prefill and decode pools: named Ray actors with declared resources, spawned, scaled,
-drained and stopped here. Names are stable (`prefill-0`, `decode-1`, ...), so the Ray
-dashboard tells the pools and their members apart."""
+"""The prefill and decode pools: named, detached Ray actors with declared resources, started,
+scaled, drained, replaced and stopped here. This is the router's WorkerDirectory.
+
+- Names are stable and never reused (`prefill-0`, `decode-1`, ...), so the Ray dashboard
+  tells the pools and their members apart, and a replacement is a new name.
+- Actors are detached: they outlive the process that started them, so a router's death
+  leaves every request running. `stop_all` is what stops them.
+- Each pool has a target size. `heal` (run by the controller router) starts a replacement
+  for every dead member; a router that is not the controller `refresh`es its view from the
+  named actors the controller started.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+import re
+import time
+from dataclasses import dataclass, replace
 
 import ray
 
-from workers.decode import DecodeWorker
-from workers.prefill import PrefillWorker
+from router.directory import Listener, PoolEvent, WorkerRef
+from workers.engine.config import EngineConfig
+from workers.messages import Pool, PoolStatus, TokenLog, WorkerInfo
 
 log = logging.getLogger(__name__)
 NAMESPACE = "tandem"
-POOLS = ("prefill", "decode")
-
-
-@dataclass
-class WorkerRef:
-    name: str
-    pool: str
-    handle: ray.actor.ActorHandle
-    info: dict = field(default_factory=dict)
-    alive: bool = True
-    draining: bool = False
+_NAME = re.compile(r"^(prefill|decode)-(\d+)$")
+_RETRY_SPAWN_S = 5.0
 
 
 @dataclass(frozen=True)
-class PoolConfig:
-    engine_configs: dict  # pool name -> engine config dict
-    redis_url: str | None
-    transfer_host: str = "127.0.0.1"
-    transfer_timeout_s: float = 10.0
-    cpus_per_worker: float = 1.0
-    gpus_per_worker: float = 0.0
-    start_timeout_s: float = 300.0
+class PoolSpec:
+    """How each worker of one pool is made."""
+
+    replicas: int
+    engine: EngineConfig
+    cpus: float = 1.0
+    gpus: float = 0.0
+    resources: tuple[tuple[str, float], ...] = ()  # custom Ray resources per worker
 
 
 class PoolManager:
-    def __init__(self, cfg: PoolConfig) -> None:
-        self.cfg = cfg
-        self.workers: dict[str, dict[str, WorkerRef]] = {p: {} for p in POOLS}
-        self.listeners: list = []  # called with (event, WorkerRef): "added" / "removed"
+    def __init__(
+        self,
+        specs: dict[Pool, PoolSpec],
+        token_log: TokenLog | None,
+        transfer_host: str = "127.0.0.1",
+        transfer_timeout_s: float = 10.0,
+        start_timeout_s: float = 300.0,
+        namespace: str = NAMESPACE,
+    ) -> None:
+        self.specs = specs
+        self.token_log = token_log
+        self.transfer_host = transfer_host
+        self.transfer_timeout_s = transfer_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.namespace = namespace
+        self.workers: dict[Pool, dict[str, WorkerRef]] = {p: {} for p in Pool}
+        self.targets = {p: s.replicas for p, s in specs.items()}
+        self.restarts = {p: 0 for p in Pool}
+        self._starting = {p: 0 for p in Pool}
+        self._next_index = {p: 0 for p in Pool}
+        self._spawn_failed_at = {p: 0.0 for p in Pool}
+        self._listeners: list[Listener] = []
+        self._discovering: set[str] = set()
 
-    def members(self, pool: str, include_dead: bool = False) -> list[WorkerRef]:
+    # -- the directory ----------------------------------------------------------------------
+    def members(self, pool: Pool, include_dead: bool = False) -> list[WorkerRef]:
         return [w for w in self.workers[pool].values() if include_dead or w.alive]
 
     def get(self, name: str) -> WorkerRef | None:
-        for pool in POOLS:
+        for pool in Pool:
             if name in self.workers[pool]:
                 return self.workers[pool][name]
         return None
 
-    async def spawn(self, pool: str) -> WorkerRef:
-        if pool not in POOLS:
-            raise ValueError(f"pool {pool!r} is unknown (prefill or decode)")
-        self._check_resources()
-        taken = set(self.workers[pool])
-        name = next(f"{pool}-{i}" for i in range(len(taken) + 1) if f"{pool}-{i}" not in taken)
-        cls = PrefillWorker if pool == "prefill" else DecodeWorker
+    def subscribe(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def _notify(self, event: PoolEvent, w: WorkerRef) -> None:
+        for fn in self._listeners:
+            fn(event, w)
+
+    def starting(self, pool: Pool) -> int:
+        return self._starting[pool]
+
+    def pool_status(self) -> list[PoolStatus]:
+        return [
+            PoolStatus(
+                p, self.targets.get(p, 0), len(self.members(p)), self._starting[p], self.restarts[p]
+            )
+            for p in Pool
+        ]
+
+    def mark_dead(self, name: str, why: str) -> None:
+        w = self.get(name)
+        if w is None or not w.alive:
+            return
+        w.alive = False
+        log.warning("%s is dead: %s", name, why)
+        self._notify(PoolEvent.DEAD, w)
+        self._forget_peer(w)
+        try:  # a hung actor must not come back as a zombie
+            ray.kill(w.handle, no_restart=True)
+        except Exception as e:  # already gone
+            log.debug("kill of %s: %s", name, e)
+
+    def _forget_peer(self, w: WorkerRef) -> None:
+        """Tell the other pool to close its KV pairs with a worker that is gone."""
+        other, method = (
+            (Pool.PREFILL, "forget_decode")
+            if w.pool is Pool.DECODE
+            else (Pool.DECODE, "forget_prefill")
+        )
+        for peer in self.members(other):
+            getattr(peer.handle, method).remote(w.name)
+
+    # -- starting workers -------------------------------------------------------------------
+    def _new_name(self, pool: Pool) -> str:
+        taken = {int(_NAME.match(n).group(2)) for n in self.workers[pool]}
+        i = max([self._next_index[pool] - 1, *taken], default=-1) + 1
+        self._next_index[pool] = i + 1
+        return f"{pool.value}-{i}"
+
+    async def spawn(self, pool: Pool) -> WorkerRef:
+        spec = self.specs[pool]
+        self._check_resources(spec)
+        self._starting[pool] += 1
+        try:
+            for _ in range(8):  # a name still held by a dead actor: take the next
+                name = self._new_name(pool)
+                try:
+                    actor = self._create(pool, name, spec)
+                    break
+                except ValueError as e:
+                    if "already" not in str(e):
+                        raise
+            else:
+                raise RuntimeError(f"no free name for a new {pool.value} worker")
+            try:
+                info = await asyncio.wait_for(actor.info.remote(), self.start_timeout_s)
+            except Exception:
+                ray.kill(actor, no_restart=True)
+                raise
+        finally:
+            self._starting[pool] -= 1
+        ref = WorkerRef(name, pool, actor, info)
+        self.workers[pool][name] = ref
+        log.info("started %s (pid %d on %s)", name, info.pid, info.node)
+        self._notify(PoolEvent.ADDED, ref)
+        return ref
+
+    def _create(self, pool: Pool, name: str, spec: PoolSpec):
+        from workers.decode import DecodeWorker
+        from workers.prefill import PrefillWorker
+
         kwargs = {
             "name": name,
-            "engine_config": self.cfg.engine_configs[pool],
-            "transfer_host": self.cfg.transfer_host,
-            "transfer_timeout_s": self.cfg.transfer_timeout_s,
+            "engine_config": spec.engine,
+            "transfer_host": self.transfer_host,
+            "transfer_timeout_s": self.transfer_timeout_s,
         }
-        if pool == "decode":
-            kwargs["redis_url"] = self.cfg.redis_url
-        actor = (
+        if pool is Pool.DECODE:
+            kwargs["token_log"] = self.token_log
+        cls = PrefillWorker if pool is Pool.PREFILL else DecodeWorker
+        return (
             ray.remote(cls)
             .options(
                 name=name,
-                namespace=NAMESPACE,
-                num_cpus=self.cfg.cpus_per_worker,
-                num_gpus=self.cfg.gpus_per_worker,
+                namespace=self.namespace,
+                lifetime="detached",
+                num_cpus=spec.cpus,
+                num_gpus=spec.gpus,
+                resources=dict(spec.resources) or None,
                 max_concurrency=64,
                 max_restarts=0,
             )
             .remote(**kwargs)
         )
-        ref = WorkerRef(name, pool, actor)
-        self.workers[pool][name] = ref
-        try:
-            ref.info = await asyncio.wait_for(actor.info.remote(), self.cfg.start_timeout_s)
-        except Exception:
-            del self.workers[pool][name]
-            ray.kill(actor, no_restart=True)
-            raise
-        ref.info["handle"] = actor
-        log.info("started %s", name)
-        for fn in self.listeners:
-            fn("added", ref)
-        return ref
 
-    def _check_resources(self) -> None:
+    def _check_resources(self, spec: PoolSpec) -> None:
         """Fail now, naming the shortfall, rather than leave an actor pending for resources."""
         free = ray.available_resources()
-        for key, need in (("CPU", self.cfg.cpus_per_worker), ("GPU", self.cfg.gpus_per_worker)):
+        needs = [("CPU", spec.cpus), ("GPU", spec.gpus), *spec.resources]
+        for key, need in needs:
             if need > 0 and free.get(key, 0.0) + 1e-9 < need:
                 raise ValueError(
                     f"not enough {key} in the Ray cluster for another worker: it needs "
-                    f"{need:g}, {free.get(key, 0.0):g} is free; add nodes or lower "
-                    "cpus_per_worker/gpus_per_worker"
+                    f"{need:g}, {free.get(key, 0.0):g} is free; add nodes or lower the "
+                    "pool's cpus/gpus/resources"
                 )
 
-    async def scale(self, pool: str, replicas: int, drain_timeout_s: float = 60.0) -> list[str]:
+    # -- keeping pools at their size --------------------------------------------------------
+    async def heal(self) -> None:
+        """Start a replacement for each missing member; returns once they are started (or
+        failed: then a later round tries again)."""
+        jobs = []
+        for pool, target in self.targets.items():
+            missing = target - len(self.members(pool)) - self._starting[pool]
+            if missing <= 0:
+                continue
+            if time.monotonic() - self._spawn_failed_at[pool] < _RETRY_SPAWN_S:
+                continue
+            dead = [w for w in self.members(pool, include_dead=True) if not w.alive]
+            log.warning(
+                "%s pool has %d of %d workers; starting %d",
+                pool.value,
+                len(self.members(pool)),
+                target,
+                missing,
+            )
+            jobs += [
+                self._replace(pool, dead[i] if i < len(dead) else None) for i in range(missing)
+            ]
+        if jobs:
+            await asyncio.gather(*jobs)
+
+    async def _replace(self, pool: Pool, dead: WorkerRef | None) -> None:
+        try:
+            ref = await self.spawn(pool)
+        except Exception as e:
+            self._spawn_failed_at[pool] = time.monotonic()
+            log.error("could not start a %s worker: %s", pool.value, e)
+            return
+        if dead is not None:
+            self.restarts[pool] += 1
+            self.workers[pool].pop(dead.name, None)
+            log.warning(
+                "%s replaces %s (%d restarts in the %s pool)",
+                ref.name,
+                dead.name,
+                self.restarts[pool],
+                pool.value,
+            )
+
+    async def refresh(self) -> None:
+        """Learn of workers another router's pool manager started, and of ones now gone."""
+        named = {
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a.get("namespace") == self.namespace and _NAME.match(a["name"])
+        }
+        for pool in Pool:
+            for w in self.members(pool):
+                if w.name not in named:
+                    self.mark_dead(w.name, "it is no longer a live named actor")
+        for name in named - {n for p in Pool for n in self.workers[p]} - self._discovering:
+            self._discovering.add(name)
+            asyncio.get_running_loop().create_task(self._discover(name))
+
+    async def _discover(self, name: str) -> None:
+        try:
+            handle = ray.get_actor(name, namespace=self.namespace)
+            info: WorkerInfo = await asyncio.wait_for(handle.info.remote(), self.start_timeout_s)
+        except Exception as e:
+            log.info("could not reach %s yet: %s", name, e)
+            return
+        finally:
+            self._discovering.discard(name)
+        pool = info.pool
+        if name in self.workers[pool]:
+            return
+        index = int(_NAME.match(name).group(2))
+        self._next_index[pool] = max(self._next_index[pool], index + 1)
+        ref = WorkerRef(name, pool, handle, info)
+        self.workers[pool][name] = ref
+        log.info("found %s (pid %d on %s)", name, info.pid, info.node)
+        self._notify(PoolEvent.ADDED, ref)
+
+    # -- operator actions -------------------------------------------------------------------
+    async def scale(self, pool: Pool, replicas: int, drain_timeout_s: float = 60.0) -> list[str]:
         if replicas < 0:
             raise ValueError(f"replicas={replicas}: must be >= 0")
+        self.targets[pool] = replicas
         live = self.members(pool)
+        dead = [w for w in self.members(pool, include_dead=True) if not w.alive]
+        for w in dead:  # a scale is a fresh start: dead members are not shown any more
+            self.workers[pool].pop(w.name, None)
         if replicas > len(live):
             await asyncio.gather(*(self.spawn(pool) for _ in range(replicas - len(live))))
         for w in sorted(live, key=lambda w: w.name, reverse=True)[: max(0, len(live) - replicas)]:
@@ -122,12 +290,14 @@ class PoolManager:
         if w is None:
             return False, f"no worker named {name}"
         w.draining = True
+        others = [m for m in self.members(w.pool) if m is not w and not m.draining]
+        self.targets[w.pool] = min(self.targets.get(w.pool, 0), len(others))  # it shrinks
         await w.handle.set_draining.remote(True)
-        deadline = asyncio.get_running_loop().time() + timeout_s
+        deadline = time.monotonic() + timeout_s
         idle = False
-        while asyncio.get_running_loop().time() < deadline:
-            s = await w.handle.status.remote()
-            if s["running"] == 0 and s["waiting"] == 0 and s.get("reserved", 0) == 0:
+        while time.monotonic() < deadline:
+            s = await asyncio.wait_for(w.handle.status.remote(), 30)
+            if s.idle:
                 idle = True
                 break
             await asyncio.sleep(0.2)
@@ -141,25 +311,27 @@ class PoolManager:
         w = self.get(name)
         if w is None:
             return
+        was_alive = w.alive
         w.alive = False
         del self.workers[w.pool][name]
-        for fn in self.listeners:
-            fn("removed", w)
+        if was_alive:
+            self._notify(PoolEvent.REMOVED, w)
+            self._forget_peer(w)
         try:
             await asyncio.wait_for(w.handle.shutdown.remote(), 10)
-        except Exception:
-            pass
+        except Exception as e:  # dead or hung: killed below either way
+            log.debug("shutdown of %s: %s", name, e)
         ray.kill(w.handle, no_restart=True)
 
-    def mark_dead(self, name: str) -> None:
-        w = self.get(name)
-        if w is not None and w.alive:
-            w.alive = False
-            log.warning("%s is dead", name)
-            for fn in self.listeners:
-                fn("dead", w)
-
     async def stop_all(self) -> None:
-        for pool in POOLS:
+        self.targets = {p: 0 for p in Pool}
+        for pool in Pool:
             for name in list(self.workers[pool]):
                 await self.remove(name)
+
+
+def pool_engine(engine: EngineConfig, threads: int | None, cpus: float) -> EngineConfig:
+    """A pool's engine: the cluster's, with that pool's torch threads on CPU."""
+    if engine.device != "cpu":
+        return engine
+    return replace(engine, num_threads=threads or engine.num_threads or max(1, int(cpus)))

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from workers.completion import GenerationRequest
 from workers.engine.request import SamplingParams
-from workers.offline import GenerationRequest
 
 _SAMPLING_FIELDS = {
     "max_tokens": int,

@@ -1,10 +1,18 @@
-"""Request state in Redis: one hash per request, an append-only token log, atomic state
-transitions, and a TTL on finished records.
+"""Request state in Redis: the router's RequestStore (asyncio) and the decode workers'
+TokenLog (blocking, picklable), over one key schema:
 
-    tandem:req:<id>          hash: prompt_ids, sampling, tenant, state, prefill, decode,
-                             attempts, created, updated, finish_reason, error
-    tandem:req:<id>:tokens   list of output token ids, in order, written by the decode worker
+    tandem:req:<id>            hash: prompt_ids, sampling, priority, tenant, state, owner,
+                               attempt, prefill, decode, created, updated, finish_reason, error
+    tandem:req:<id>:tokens     list: output token ids, in order
+    tandem:req:<id>:failures   list: why each failed attempt failed
+    tandem:active              set: ids of records not yet terminal
+    tandem:router:<id>         string with a TTL: a live router's gRPC address (heartbeat)
+    tandem:lease:<name>        string with a TTL: who holds a lease (e.g. the controller)
 
+Token writes carry their output offset and attempt, and run as one script: tokens the log
+already holds are skipped, a gap is reported (the writer sends again from the log's end), and
+a write from a superseded attempt is refused (fenced). So any number of writes may be
+repeated, and a stale worker can never corrupt a log. Terminal records get a TTL.
 Every call has a socket timeout (G6): a Redis that stops answering raises, it never hangs.
 """
 
@@ -12,123 +20,317 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
+import redis.asyncio as aioredis
 
-QUEUED, PREFILLING, DECODING = "QUEUED", "PREFILLING", "DECODING"
-FINISHED, FAILED, CANCELLED = "FINISHED", "FAILED", "CANCELLED"
-TERMINAL = (FINISHED, FAILED, CANCELLED)
+from router.store import BeginResult, RecordState, RequestRecord
+from workers.engine.request import FinishReason
+from workers.messages import (
+    LogAck,
+    LogResult,
+    LogWrite,
+    Status,
+    sampling_from_dict,
+    sampling_to_dict,
+)
 
-# Set the state only if the current one is among ARGV[2..]; returns the state found.
-_TRANSITION = """
-local cur = redis.call('HGET', KEYS[1], 'state')
-if not cur then return false end
-for i = 2, #ARGV do
-  if ARGV[i] == cur then
-    redis.call('HSET', KEYS[1], 'state', ARGV[1], 'updated', tostring(redis.call('TIME')[1]))
-    return ARGV[1]
-  end
+PREFIX = "tandem:"
+ACTIVE = PREFIX + "active"
+TERMINAL = tuple(s.value for s in RecordState if s.terminal)
+
+# KEYS: hash, tokens, active. ARGV: attempt, offset, ttl, final state ('' = none),
+# finish_reason, error, request id, now, status, token ids...  Returns {result, log length}.
+_APPEND = """
+local a = redis.call('HGET', KEYS[1], 'attempt')
+if not a then return {'missing', 0} end
+if tonumber(a) ~= tonumber(ARGV[1]) then return {'fenced', 0} end
+local n = redis.call('LLEN', KEYS[2])
+local off = tonumber(ARGV[2])
+if off > n then return {'gap', n} end
+local i = 10 + (n - off)
+while i <= #ARGV do
+  local j = math.min(i + 999, #ARGV)
+  redis.call('RPUSH', KEYS[2], unpack(ARGV, i, j))
+  i = j + 1
 end
-return cur
+n = redis.call('LLEN', KEYS[2])
+if ARGV[4] ~= '' then
+  local cur = redis.call('HGET', KEYS[1], 'state')
+  if cur ~= 'FINISHED' and cur ~= 'FAILED' and cur ~= 'CANCELLED' then
+    redis.call('HSET', KEYS[1], 'state', ARGV[4], 'finish_reason', ARGV[5], 'error', ARGV[6],
+               'updated', ARGV[8], 'status', ARGV[9])
+  end
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
+  redis.call('EXPIRE', KEYS[1] .. ':failures', ARGV[3])
+  redis.call('SREM', KEYS[3], ARGV[7])
+end
+return {'ok', n}
+"""
+
+# KEYS: hash, failures. ARGV: attempt, owner, prefill, decode, failure, now.
+_BEGIN = """
+local st = redis.call('HGET', KEYS[1], 'state')
+if not st then return 'missing' end
+if st == 'FINISHED' or st == 'FAILED' or st == 'CANCELLED' then return 'ended' end
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if owner and owner ~= '' and owner ~= ARGV[2] then return 'not_owner' end
+if tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0') >= tonumber(ARGV[1]) then
+  return 'stale'
+end
+redis.call('HSET', KEYS[1], 'attempt', ARGV[1], 'owner', ARGV[2], 'prefill', ARGV[3],
+           'decode', ARGV[4], 'state', 'RUNNING', 'updated', ARGV[6])
+if ARGV[5] ~= '' then redis.call('RPUSH', KEYS[2], ARGV[5]) end
+return 'ok'
+"""
+
+# KEYS: hash, active. ARGV: request id, then field/value pairs. Creates only if absent.
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2, #ARGV))
+local st = redis.call('HGET', KEYS[1], 'state')
+if st ~= 'FINISHED' and st ~= 'FAILED' and st ~= 'CANCELLED' then
+  redis.call('SADD', KEYS[2], ARGV[1])
+end
+return 1
+"""
+
+# KEYS: hash. ARGV: old owner, new owner.
+_CLAIM = """
+local st = redis.call('HGET', KEYS[1], 'state')
+if not st or st == 'FINISHED' or st == 'FAILED' or st == 'CANCELLED' then return 0 end
+if (redis.call('HGET', KEYS[1], 'owner') or '') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'owner', ARGV[2])
+return 1
+"""
+
+# KEYS: hash. ARGV: attempt. Raises the stored attempt to ARGV[1] if it is lower.
+_RAISE = """
+local a = redis.call('HGET', KEYS[1], 'attempt')
+if a and tonumber(a) < tonumber(ARGV[1]) then redis.call('HSET', KEYS[1], 'attempt', ARGV[1]) end
+return 1
+"""
+
+# KEYS: lease. ARGV: holder, ttl ms.
+_LEASE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
 """
 
 
-@dataclass(frozen=True)
-class RequestRecord:
-    request_id: str
-    state: str
-    prompt_ids: list[int]
-    sampling: dict
-    tenant: str
-    finish_reason: str | None
-    error: str | None
-    attempts: int
+def key(request_id: str) -> str:
+    return f"{PREFIX}req:{request_id}"
 
 
-class StateStore:
+def redact(url: str) -> str:
+    """The URL without its password, for logs and messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
+
+
+def _fields(rec: RequestRecord) -> dict:
+    now = str(time.time())
+    return {
+        "prompt_ids": json.dumps(list(rec.prompt_ids)),
+        "sampling": json.dumps(sampling_to_dict(rec.sampling)),
+        "priority": rec.priority,
+        "tenant": rec.tenant,
+        "state": rec.state.value,
+        "owner": rec.owner,
+        "attempt": rec.attempt,
+        "prefill": rec.prefill,
+        "decode": rec.decode,
+        "finish_reason": rec.finish_reason,
+        "status": rec.status.value,
+        "error": rec.error,
+        "created": now,
+        "updated": now,
+    }
+
+
+def _record(request_id: str, h: dict, failures: list[str]) -> RequestRecord:
+    return RequestRecord(
+        request_id=request_id,
+        prompt_ids=tuple(json.loads(h.get("prompt_ids", "[]"))),
+        sampling=sampling_from_dict(json.loads(h.get("sampling", "{}"))),
+        priority=int(h.get("priority", 0)),
+        tenant=h.get("tenant", ""),
+        state=RecordState(h.get("state", "QUEUED")),
+        owner=h.get("owner", ""),
+        attempt=int(h.get("attempt", 0)),
+        prefill=h.get("prefill", ""),
+        decode=h.get("decode", ""),
+        finish_reason=h.get("finish_reason", ""),
+        status=Status(h.get("status") or "OK"),
+        error=h.get("error", ""),
+        failures=tuple(failures),
+    )
+
+
+def _append_args(
+    w: LogWrite, ttl_s: int, state: str = "", reason: str = "", error: str = "", status: str = "OK"
+):
+    keys = [key(w.request_id), key(w.request_id) + ":tokens", ACTIVE]
+    args = [w.attempt, w.offset, ttl_s, state, reason, error, w.request_id, str(time.time())]
+    return keys, [*args, status, *w.token_ids]
+
+
+def _flat(d: dict) -> list:
+    out: list = []
+    for k, v in d.items():
+        out += [k, v]
+    return out
+
+
+class RedisStore:
+    """The router's RequestStore, on redis-py's asyncio client."""
+
     def __init__(self, url: str, ttl_s: int = 3600, timeout_s: float = 5.0) -> None:
-        self.url = url
-        self.ttl_s = ttl_s
-        self.r = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True
+        self.url, self.ttl_s, self.timeout_s = url, ttl_s, timeout_s
+        self.r = aioredis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            decode_responses=True,
         )
-        self._transition = self.r.register_script(_TRANSITION)
+        self._append = self.r.register_script(_APPEND)
+        self._begin = self.r.register_script(_BEGIN)
+        self._create = self.r.register_script(_CREATE)
+        self._claim = self.r.register_script(_CLAIM)
+        self._lease = self.r.register_script(_LEASE)
+        self._raise = self.r.register_script(_RAISE)
 
-    @staticmethod
-    def key(request_id: str) -> str:
-        return f"tandem:req:{request_id}"
+    @property
+    def where(self) -> str:
+        return redact(self.url)
 
-    def ping(self) -> bool:
-        return bool(self.r.ping())
+    async def ping(self) -> str:
+        info = await self.r.info("server")
+        return str(info.get("run_id", ""))
 
-    def create(self, request_id: str, prompt_ids: list[int], sampling: dict, tenant: str) -> bool:
-        """Write a new QUEUED record; False if the id already exists."""
-        now = str(time.time())
-        created = self.r.hsetnx(self.key(request_id), "state", QUEUED)
-        if not created:
-            return False
-        self.r.hset(
-            self.key(request_id),
-            mapping={
-                "prompt_ids": json.dumps(prompt_ids),
-                "sampling": json.dumps(sampling),
-                "tenant": tenant,
-                "attempts": 0,
-                "created": now,
-                "updated": now,
-            },
+    async def create(self, rec: RequestRecord) -> bool:
+        rid = rec.request_id
+        return bool(await self._create(keys=[key(rid), ACTIVE], args=[rid, *_flat(_fields(rec))]))
+
+    async def restore(self, rec: RequestRecord, tokens: list[int]) -> None:
+        rid = rec.request_id
+        await self._create(keys=[key(rid), ACTIVE], args=[rid, *_flat(_fields(rec))])
+        if rec.failures and not await self.r.exists(key(rid) + ":failures"):
+            await self.r.rpush(key(rid) + ":failures", *rec.failures)
+        if tokens:
+            w = LogWrite(rid, rec.attempt, 0, tuple(tokens))
+            await self._append(*_append_args(w, self.ttl_s))
+
+    async def begin_attempt(
+        self, rid: str, attempt: int, owner: str, prefill: str, decode: str, failure: str
+    ) -> BeginResult:
+        res = await self._begin(
+            keys=[key(rid), key(rid) + ":failures"],
+            args=[attempt, owner, prefill, decode, failure, str(time.time())],
         )
-        return True
+        return BeginResult(res)
 
-    def transition(self, request_id: str, to: str, allowed: tuple[str, ...]) -> str | None:
-        """Atomically move to `to` if the state is in `allowed`; returns the resulting state."""
-        return self._transition(keys=[self.key(request_id)], args=[to, *allowed])
+    async def end(self, rec: RequestRecord, tokens: list[int]) -> None:
+        # The store may have lost this attempt's beginning (a restart): catch it up first. A
+        # newer attempt than ours means another router drives the request: leave it be.
+        rid = rec.request_id
+        await self._raise(keys=[key(rid)], args=[rec.attempt])
+        w = LogWrite(rid, rec.attempt, 0, tuple(tokens))
+        args = (rec.state.value, rec.finish_reason, rec.error, rec.status.value)
+        await self._append(*_append_args(w, self.ttl_s, *args))
 
-    def assign(self, request_id: str, **workers: str) -> None:
-        self.r.hset(self.key(request_id), mapping=workers)
-        self.r.hincrby(self.key(request_id), "attempts", 1)
+    async def get(self, rid: str) -> RequestRecord | None:
+        async with self.r.pipeline(transaction=False) as p:
+            p.hgetall(key(rid))
+            p.lrange(key(rid) + ":failures", 0, -1)
+            h, failures = await p.execute()
+        return _record(rid, h, failures) if h else None
 
-    def finish(self, request_id: str, state: str, finish_reason: str, error: str = "") -> None:
-        key = self.key(request_id)
-        with self.r.pipeline() as p:
-            p.hset(
-                key,
-                mapping={
-                    "state": state,
-                    "finish_reason": finish_reason,
-                    "error": error,
-                    "updated": str(time.time()),
-                },
+    async def tokens(self, rid: str, start: int = 0) -> list[int]:
+        return [int(t) for t in await self.r.lrange(key(rid) + ":tokens", start, -1)]
+
+    async def active(self) -> list[str]:
+        return sorted(await self.r.smembers(ACTIVE))
+
+    async def claim(self, rid: str, old_owner: str, new_owner: str) -> bool:
+        return bool(await self._claim(keys=[key(rid)], args=[old_owner, new_owner]))
+
+    async def heartbeat(self, router_id: str, address: str, ttl_s: float) -> None:
+        await self.r.set(f"{PREFIX}router:{router_id}", address, px=int(ttl_s * 1000))
+
+    async def live_routers(self) -> dict[str, str]:
+        keys = [k async for k in self.r.scan_iter(match=f"{PREFIX}router:*", count=100)]
+        if not keys:
+            return {}
+        values = await self.r.mget(keys)
+        n = len(f"{PREFIX}router:")
+        return {k[n:]: v for k, v in zip(keys, values) if v is not None}
+
+    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> bool:
+        return bool(
+            await self._lease(keys=[f"{PREFIX}lease:{name}"], args=[holder, int(ttl_s * 1000)])
+        )
+
+    async def lease_holder(self, name: str) -> str | None:
+        return await self.r.get(f"{PREFIX}lease:{name}")
+
+    async def put_json(self, name: str, value: dict) -> None:
+        await self.r.set(f"{PREFIX}{name}", json.dumps(value))
+
+    async def get_json(self, name: str) -> dict | None:
+        v = await self.r.get(f"{PREFIX}{name}")
+        return json.loads(v) if v else None
+
+    def token_log(self) -> RedisTokenLog:
+        return RedisTokenLog(self.url, self.ttl_s, self.timeout_s)
+
+    async def close(self) -> None:
+        await self.r.aclose()
+
+
+class RedisTokenLog:
+    """The decode workers' TokenLog: one pipelined round trip per write batch. Picklable
+    (it connects on first use), so it is handed to workers as a constructor argument."""
+
+    def __init__(self, url: str, ttl_s: int = 3600, timeout_s: float = 5.0) -> None:
+        self.url, self.ttl_s, self.timeout_s = url, ttl_s, timeout_s
+        self._r: redis.Redis | None = None
+
+    def __getstate__(self) -> dict:
+        return {"url": self.url, "ttl_s": self.ttl_s, "timeout_s": self.timeout_s, "_r": None}
+
+    def _client(self) -> redis.Redis:
+        if self._r is None:
+            self._r = redis.Redis.from_url(
+                self.url,
+                socket_timeout=self.timeout_s,
+                socket_connect_timeout=self.timeout_s,
+                decode_responses=True,
             )
-            p.expire(key, self.ttl_s)
-            p.expire(key + ":tokens", self.ttl_s)
-            p.execute()
+            self._script = self._r.register_script(_APPEND)
+        return self._r
 
-    def append_tokens(self, batch: dict[str, list[int]]) -> None:
-        """One pipelined write for a whole decode step: every request's new tokens."""
-        if not batch:
-            return
-        with self.r.pipeline(transaction=False) as p:
-            for request_id, tokens in batch.items():
-                if tokens:
-                    p.rpush(self.key(request_id) + ":tokens", *tokens)
-            p.execute()
-
-    def tokens(self, request_id: str, start: int = 0) -> list[int]:
-        return [int(t) for t in self.r.lrange(self.key(request_id) + ":tokens", start, -1)]
-
-    def get(self, request_id: str) -> RequestRecord | None:
-        h = self.r.hgetall(self.key(request_id))
-        if not h:
-            return None
-        return RequestRecord(
-            request_id=request_id,
-            state=h.get("state", ""),
-            prompt_ids=json.loads(h.get("prompt_ids", "[]")),
-            sampling=json.loads(h.get("sampling", "{}")),
-            tenant=h.get("tenant", ""),
-            finish_reason=h.get("finish_reason") or None,
-            error=h.get("error") or None,
-            attempts=int(h.get("attempts", 0)),
-        )
+    def write(self, writes: list[LogWrite]) -> list[LogAck]:
+        r = self._client()
+        with r.pipeline(transaction=False) as p:
+            for w in writes:
+                state = RecordState.FINISHED.value if w.finish_reason else ""
+                reason = w.finish_reason.value if isinstance(w.finish_reason, FinishReason) else ""
+                keys, args = _append_args(w, self.ttl_s, state, reason, w.error)
+                self._script(keys=keys, args=args, client=p)
+            results = p.execute()
+        return [
+            LogAck(w.request_id, LogResult(res), int(n)) for w, (res, n) in zip(writes, results)
+        ]

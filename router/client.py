@@ -1,16 +1,29 @@
-"""A small gRPC client for Tandem: what `tandem generate --address` and the benchmarks use."""
+"""A small gRPC client for Tandem: what `tandem generate --address` and the benchmarks use.
+It imports no torch.
+
+Given several router addresses, a stream that breaks with UNAVAILABLE (its router died, or
+the connection did) resumes on the next one from the last offset received: Resume if the
+request is known, Generate again with the same request id if it never got recorded. A request
+that failed for good (retries exhausted, bad input) is reported as it failed.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import grpc
 
 from router.api import tandem_pb2 as pb
 from router.api import tandem_pb2_grpc as pb_grpc
+from router.convert import status_to_dict
+from workers.completion import Completion, GenerationRequest
 from workers.engine.request import SamplingParams
-from workers.offline import Completion, GenerationRequest
+
+__all__ = ["TandemClient", "StreamResult", "to_proto", "status_to_dict"]
+FINAL_KEY = "tandem-final"  # trailing metadata on every status a router decides
 
 
 def to_proto(req: GenerationRequest, request_id: str = "") -> pb.GenerateRequest:
@@ -46,6 +59,7 @@ class StreamResult:
     ttft_s: float | None = None
     e2e_s: float | None = None
     token_times: list[float] = field(default_factory=list)  # seconds since submission
+    resumes: int = 0  # how many times the stream moved to another router (or reconnected)
 
     def completion(self, index: int) -> Completion:
         return Completion(
@@ -62,41 +76,92 @@ class StreamResult:
 
 
 class TandemClient:
-    def __init__(self, address: str, token: str | None = None) -> None:
-        self.channel = grpc.aio.insecure_channel(address)
-        self.gen = pb_grpc.GenerationStub(self.channel)
-        self.admin = pb_grpc.AdminStub(self.channel)
+    def __init__(self, address: str | list[str], token: str | None = None) -> None:
+        self.addresses = address.split(",") if isinstance(address, str) else list(address)
+        self.channels = [grpc.aio.insecure_channel(a.strip()) for a in self.addresses]
+        self.current = 0
         self.metadata = [("authorization", f"Bearer {token}")] if token else None
 
+    @property
+    def gen(self) -> pb_grpc.GenerationStub:
+        return pb_grpc.GenerationStub(self.channels[self.current])
+
+    @property
+    def admin(self) -> pb_grpc.AdminStub:
+        return pb_grpc.AdminStub(self.channels[self.current])
+
     async def close(self) -> None:
-        await self.channel.close()
+        for c in self.channels:
+            await c.close()
 
     async def generate(
-        self, msg: pb.GenerateRequest, timeout_s: float | None = None, on_chunk=None
+        self,
+        msg: pb.GenerateRequest,
+        timeout_s: float | None = None,
+        on_chunk=None,
+        max_resumes: int | None = None,
     ) -> StreamResult:
-        res = StreamResult(request_id=msg.request_id)
+        """Runs a request to its end, resuming on the next router if its stream breaks."""
+        rid = msg.request_id or uuid.uuid4().hex  # ours, so a broken stream resumes by id
+        if not msg.request_id:
+            fresh = pb.GenerateRequest()
+            fresh.CopyFrom(msg)
+            fresh.request_id = rid
+            msg = fresh
+        res = StreamResult(request_id=rid)
         t0 = time.perf_counter()
-        call = self.gen.Generate(msg, timeout=timeout_s, metadata=self.metadata)
-        try:
-            async for r in call:
-                now = time.perf_counter() - t0
-                res.request_id = r.request_id
-                if r.token_ids:
-                    if res.ttft_s is None:
-                        res.ttft_s = now
-                    res.token_ids += r.token_ids
-                    res.token_times += [now] * len(r.token_ids)
-                res.text += r.text
-                if on_chunk is not None:
-                    on_chunk(r)
-                if r.HasField("final"):
-                    res.finish_reason = r.final.finish_reason
-                    res.error = r.final.error or None
-        except grpc.aio.AioRpcError as e:
-            res.status = e.code().name
-            res.error = e.details()
+        deadline = None if timeout_s is None else t0 + timeout_s
+        tries = max_resumes if max_resumes is not None else 2 * len(self.channels) + 2
+        resume = False
+        while True:
+            left = None if deadline is None else max(0.001, deadline - time.perf_counter())
+            if resume:
+                call = self.gen.Resume(
+                    pb.ResumeRequest(request_id=rid, offset=len(res.token_ids)),
+                    timeout=left,
+                    metadata=self.metadata,
+                )
+            else:
+                call = self.gen.Generate(msg, timeout=left, metadata=self.metadata)
+            try:
+                async for r in call:
+                    self._take(res, r, t0, on_chunk)
+                break
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.NOT_FOUND and resume:
+                    resume = False  # never recorded: submit it again, same id
+                    continue
+                if code != grpc.StatusCode.UNAVAILABLE or tries <= 0 or _router_decided(e):
+                    res.status, res.error = code.name, e.details()
+                    break
+                tries -= 1
+                res.resumes += 1
+                self.current = (self.current + 1) % len(self.channels)
+                resume = True
+                await asyncio.sleep(0.2)
         res.e2e_s = time.perf_counter() - t0
         return res
+
+    @staticmethod
+    def _take(res: StreamResult, r: pb.GenerateResponse, t0: float, on_chunk) -> None:
+        now = time.perf_counter() - t0
+        if r.token_ids:
+            if r.offset != len(res.token_ids):  # a resume answers from the offset asked
+                drop = len(res.token_ids) - r.offset
+                ids = list(r.token_ids)[max(drop, 0) :]
+            else:
+                ids = list(r.token_ids)
+            if ids and res.ttft_s is None:
+                res.ttft_s = now
+            res.token_ids += ids
+            res.token_times += [now] * len(ids)
+        res.text += r.text
+        if on_chunk is not None:
+            on_chunk(r)
+        if r.HasField("final"):
+            res.finish_reason = r.final.finish_reason
+            res.error = r.final.error or None
 
     async def cancel(self, request_id: str) -> bool:
         r = await self.gen.Cancel(
@@ -108,26 +173,7 @@ class TandemClient:
         return await self.admin.Status(pb.StatusRequest(), timeout=30, metadata=self.metadata)
 
 
-def status_to_dict(s: pb.StatusResponse) -> dict:
-    def worker(w):
-        return {
-            "name": w.name,
-            "pid": w.pid,
-            "node": w.node,
-            "alive": w.alive,
-            "kv_blocks_total": w.kv_blocks_total,
-            "kv_blocks_free": w.kv_blocks_free,
-            "running": w.running,
-            "waiting": w.waiting,
-            "draining": w.draining,
-        }
-
-    return {
-        "prefill": [worker(w) for w in s.prefill],
-        "decode": [worker(w) for w in s.decode],
-        "router": {
-            "queue_depth": s.router.queue_depth,
-            "in_flight": s.router.in_flight,
-            "mode": s.router.mode,
-        },
-    }
+def _router_decided(e: grpc.aio.AioRpcError) -> bool:
+    """The router ended the call itself (the request failed, or was refused), as opposed to
+    the connection or the router breaking: routers mark their own statuses."""
+    return any(k == FINAL_KEY for k, _ in (e.trailing_metadata() or ()))

@@ -1,106 +1,146 @@
 """The router's request path, independent of gRPC:
 
-    admit (queue bound) -> record QUEUED in Redis -> reserve blocks on a decode worker ->
-    prefill on a prefill worker (first token streams out at once) -> relay the decode
-    worker's tokens -> final state in Redis
+    admit (queue bound) -> record QUEUED in the store -> a RequestDriver runs the attempts
+    (router/driver.py) -> its stream's chunks go to the caller -> final state in the store
 
-Cancellation, a client that goes away, or a deadline all end in the same place: the request
-is cancelled on both workers and its blocks are freed at once.
+Cancellation, a client that goes away, or a deadline all end in the same place: the driver
+is cancelled, the request is cancelled on its workers and its blocks are freed at once.
+
+The router also keeps the view of the workers the drivers choose from: their loads (from
+status calls), their liveness (a failed call or a missed heartbeat marks one dead and fails
+the attempts on it), and one long-poll per decode worker that brings its token events.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
+import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import ray
 
-from cluster.pools import PoolManager, WorkerRef
+from router.config import RouterConfig
+from router.directory import PoolEvent, WorkerDirectory, WorkerRef
+from router.driver import AttemptFailed, RequestDriver, WorkerLost
+from router.errors import RouterError
+from router.records import Records
+from router.resume import from_stream, tail_log
 from router.routing import RoutingPolicy, WorkerLoad
-from router.stream import Chunk, Event, RequestStream
+from router.store import RecordState, RequestRecord, RequestStore
+from router.stream import Chunk, RequestStream
 from router.validation import Admission
+from workers.messages import Pool, RequestSpec, Status, TokenEvent
 
 log = logging.getLogger(__name__)
 
 
-class RouterError(Exception):
-    """Ends a request with a gRPC status: code is a grpc.StatusCode name."""
+@dataclass
+class RouterStats:
+    replays_started: int = 0
+    replays_recovered: int = 0
+    recovery_s: list[float] = field(default_factory=list)  # failure seen -> next token
 
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    max_in_flight: int = 256
-    max_queue: int = 1024
-    reserve_timeout_s: float = 60.0
-    prefill_timeout_s: float = 300.0
-    rpc_timeout_s: float = 30.0
-    status_interval_s: float = 0.5
-    stall_timeout_s: float = 120.0  # a stream with no event for this long is given up
+    def recovered(self, seconds: float) -> None:
+        self.replays_recovered += 1
+        self.recovery_s.append(seconds)
+        del self.recovery_s[:-1000]
 
 
 class Router:
     def __init__(
         self,
-        pools: PoolManager,
+        directory: WorkerDirectory,
         tokenizer,
         block_size: int,
-        state=None,
-        config: RouterConfig = RouterConfig(),
+        store: RequestStore | None = None,
+        config: RouterConfig | None = None,
         mode: str = "disaggregated",
+        router_id: str | None = None,
     ) -> None:
-        self.pools = pools
+        self.id = router_id or uuid.uuid4().hex[:12]
+        self.directory = directory
         self.mode = mode
         self.tokenizer = tokenizer
-        self.state = state
-        self.config = config
+        self.config = config = config or RouterConfig()
+        self.records = Records(store, config.rpc_timeout_s)
+        self.records.snapshots = self._snapshots
         self.policy = RoutingPolicy(block_size)
         self.loads: dict[str, WorkerLoad] = {}
-        self.streams: dict[str, RequestStream] = {}
+        self.drivers: dict[str, RequestDriver] = {}
+        self.stats = RouterStats()
         self.slots = asyncio.Semaphore(config.max_in_flight)
         self.queue_depth = 0
-        self._tasks: dict[str, asyncio.Task] = {}
-        self._status_task: asyncio.Task | None = None
-        pools.listeners.append(self._on_pool_event)
+        self._pollers: dict[str, asyncio.Task] = {}
+        self._tasks: list[asyncio.Task] = []
+        directory.subscribe(self._on_pool_event)
+
+    @property
+    def store(self) -> RequestStore | None:
+        return self.records.store
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
-        for w in self.pools.members("decode"):
-            self._on_pool_event("added", w)
-        for w in self.pools.members("prefill"):
-            self._on_pool_event("added", w)
+        for pool in (Pool.DECODE, Pool.PREFILL):
+            for w in self.directory.members(pool):
+                self._on_pool_event(PoolEvent.ADDED, w)
+        await self.records.check()
         await self.refresh_loads()
-        self._status_task = asyncio.create_task(self._refresh_forever())
+        loop = asyncio.get_running_loop()
+        self._tasks += [
+            loop.create_task(self._refresh_forever()),
+            loop.create_task(self._probe_forever()),
+            loop.create_task(self.records.watch_forever()),
+        ]
+
+    def add_task(self, coro) -> None:
+        """Run a coroutine for as long as the router runs."""
+        self._tasks.append(asyncio.get_running_loop().create_task(coro))
 
     async def stop(self) -> None:
-        for t in [*self._tasks.values(), self._status_task]:
-            if t is not None:
-                t.cancel()
+        for d in list(self.drivers.values()):
+            if d.task is not None:
+                d.task.cancel()
+        for t in [*self._pollers.values(), *self._tasks]:
+            t.cancel()
 
-    def _on_pool_event(self, event: str, w: WorkerRef) -> None:
-        if event == "added":
+    # -- the workers ------------------------------------------------------------------------
+    def _on_pool_event(self, event: PoolEvent, w: WorkerRef) -> None:
+        if event is PoolEvent.ADDED:
             self.loads[w.name] = WorkerLoad(w.name)
-            if w.pool == "decode":
-                self._tasks[w.name] = asyncio.get_event_loop().create_task(self._poll(w))
-        else:
-            load = self.loads.pop(w.name, None)
-            task = self._tasks.pop(w.name, None)
-            if task is not None:
-                task.cancel()
-            if load is not None:
-                self._fail_streams_on(w.name, f"{w.name} {'died' if event == 'dead' else 'left'}")
+            if w.pool is Pool.DECODE and w.name not in self._pollers:
+                self._pollers[w.name] = asyncio.get_event_loop().create_task(self._poll(w))
+            return
+        self.loads.pop(w.name, None)
+        task = self._pollers.pop(w.name, None)
+        if task is not None:
+            task.cancel()
+        for d in list(self.drivers.values()):
+            if w.name in (d.decode, d.prefill):
+                d.deliver(WorkerLost(w.name))
 
-    def _fail_streams_on(self, worker: str, why: str) -> None:
-        for s in list(self.streams.values()):
-            if worker == s.decode_worker and not s.finished:
-                s.end_now("error", f"UNAVAILABLE: {why}")
+    async def _poll(self, w: WorkerRef) -> None:
+        """Relays one decode worker's token events to the drivers they belong to."""
+        while True:
+            try:
+                events = await w.handle.poll.remote(self.id, 1.0)
+            except asyncio.CancelledError:
+                raise
+            except ray.exceptions.RayActorError as e:
+                self.directory.mark_dead(w.name, f"polling it failed: {e}")
+                return
+            except Exception as e:  # a transient Ray error: back off, do not drop the worker
+                log.warning("polling %s failed: %s", w.name, e)
+                await asyncio.sleep(0.5)
+                continue
+            for e in events:
+                self._deliver(e)
+
+    def _deliver(self, e: TokenEvent) -> None:
+        d = self.drivers.get(e.request_id)
+        if d is not None:
+            d.deliver(e)
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -111,259 +151,258 @@ class Router:
                 log.exception("status refresh failed")
 
     async def refresh_loads(self) -> None:
-        for pool in ("prefill", "decode"):
-            for w in self.pools.members(pool):
-                try:
-                    s = await asyncio.wait_for(w.handle.status.remote(), self.config.rpc_timeout_s)
-                except (TimeoutError, ray.exceptions.RayActorError):
-                    self.pools.mark_dead(w.name)
-                    continue
-                load = self.loads.setdefault(w.name, WorkerLoad(w.name))
-                load.kv_blocks_free = s["kv_blocks_free"]
-                load.running = s["running"] + s["waiting"]
-                load.draining = s["draining"] or w.draining
-                if pool == "prefill":
-                    load.queued_tokens = s.get("queued_prefill_tokens", 0)
+        """Every worker's load, and its liveness: a worker whose status call fails as dead,
+        or that misses `heartbeat_misses` calls in a row, is marked dead."""
+        workers = [*self.directory.members(Pool.PREFILL), *self.directory.members(Pool.DECODE)]
+        results = await asyncio.gather(
+            *(self._status_of(w) for w in workers), return_exceptions=True
+        )
+        for w, s in zip(workers, results):
+            if isinstance(s, ray.exceptions.RayActorError):
+                self.directory.mark_dead(w.name, f"its status call failed: {s}")
+                continue
+            if isinstance(s, BaseException):
+                w.missed_heartbeats += 1
+                if w.missed_heartbeats >= _HEARTBEAT_MISSES:
+                    self.directory.mark_dead(
+                        w.name, f"{w.missed_heartbeats} status calls in a row failed ({s!r})"
+                    )
+                continue
+            w.missed_heartbeats = 0
+            load = self.loads.setdefault(w.name, WorkerLoad(w.name))
+            load.kv_blocks_free = s.kv_blocks_free
+            load.running = s.running + s.waiting + s.reserved
+            load.draining = s.draining or w.draining
+            load.queued_tokens = s.queued_prefill_tokens
 
-    async def _poll(self, w: WorkerRef) -> None:
-        """Relays one decode worker's outputs to the streams they belong to."""
+    async def _probe_forever(self, interval_s: float = 0.25) -> None:
+        """Connects to every worker's liveness port: a refused connection means its process
+        is gone, seen well before Ray reports the actor's death."""
         while True:
-            try:
-                events = await w.handle.poll.remote(1.0)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                log.warning("polling %s failed: %s", w.name, e)
-                self.pools.mark_dead(w.name)
-                return
-            for d in events:
-                s = self.streams.get(d["request_id"])
-                if s is not None:
-                    s.put(Event.from_dict(d))
+            await asyncio.sleep(interval_s)
+            workers = [*self.directory.members(Pool.PREFILL), *self.directory.members(Pool.DECODE)]
+            gone = await asyncio.gather(*(_refused(w) for w in workers))
+            for w, why in zip(workers, gone):
+                if why:
+                    self.directory.mark_dead(w.name, why)
 
-    # -- requests ---------------------------------------------------------------------------
-    async def generate(self, adm: Admission) -> AsyncIterator[Chunk]:
-        if adm.request_id in self.streams:
-            raise RouterError("ALREADY_EXISTS", f"request {adm.request_id} is already running")
-        if self.queue_depth >= self.config.max_queue:
-            raise RouterError(
-                "RESOURCE_EXHAUSTED",
-                f"the admission queue is full ({self.queue_depth} waiting); retry later",
-            )
-        if not self._pools_ready():
-            raise RouterError(
-                "UNAVAILABLE",
-                "no live prefill or decode worker; check `tandem status` and scale the empty pool",
-            )
-        self.queue_depth += 1
-        try:
-            await self.slots.acquire()
-        finally:
-            self.queue_depth -= 1
-        stream = RequestStream(adm.request_id, self.tokenizer, adm.sampling.stop)
-        ended, created, failure = False, False, None
-        try:
-            self._record_new(adm)
-            created = True
-            self.streams[adm.request_id] = stream
-            if self.mode == "colocated":
-                await self._dispatch_colocated(adm, stream)
-            else:
-                await self._dispatch_disaggregated(adm, stream)
-            while True:
-                try:
-                    event = await asyncio.wait_for(stream.queue.get(), self.config.stall_timeout_s)
-                except TimeoutError:
-                    raise RouterError(
-                        "UNAVAILABLE",
-                        f"no tokens from {stream.decode_worker} for "
-                        f"{self.config.stall_timeout_s:.0f} s; the request was cancelled",
-                    ) from None
-                for chunk in stream.order(event):
-                    if chunk.finished:
-                        ended = True
-                        self._record_end(adm.request_id, chunk)
-                    yield chunk
-                if stream.finished:
-                    return
-        except RouterError as e:
-            failure = e
-            raise
-        finally:
-            if created:
-                self.streams.pop(adm.request_id, None)
-            self.slots.release()
-            if created and not ended:  # an error, a cancel, a deadline or a gone client
-                await self._cancel_on_workers(stream)
-                if failure is not None:
-                    self._record_state(adm.request_id, "FAILED", "error", failure.message)
-                else:
-                    self._record_state(adm.request_id, "CANCELLED", "cancelled")
+    async def _status_of(self, w: WorkerRef):
+        return await asyncio.wait_for(w.handle.status.remote(), _HEARTBEAT_TIMEOUT_S)
 
-    def _pools_ready(self) -> bool:
-        if self.mode == "disaggregated" and not self.pools.members("prefill"):
-            return False
-        return bool(self.pools.members("decode"))
+    # -- what drivers use -----------------------------------------------------------------
+    def candidates(self, pool: Pool) -> list[WorkerRef]:
+        """Live workers of a pool that take work, best first (decode: by room and load)."""
+        members = {w.name: w for w in self.directory.members(pool) if not w.draining}
+        loads = [self.loads[n] for n in members if n in self.loads]
+        if pool is Pool.DECODE:
+            return [members[w.name] for w in self.policy.decode_candidates(loads)]
+        return [members[w.name] for w in loads if w.available]
 
-    async def _dispatch_disaggregated(self, adm: Admission, stream: RequestStream) -> None:
-        decode = await self._reserve(adm)
-        stream.decode_worker = decode.name
-        prefill = self._pick_prefill(adm)
-        stream.prefill_worker = prefill.name
-        self._assign(adm, prefill=prefill.name, decode=decode.name)
-        job = {**self._job(adm), "decode": decode.info}
-        self.loads[prefill.name].queued_tokens += len(adm.prompt_ids)
-        try:
-            first = await asyncio.wait_for(
-                prefill.handle.prefill.remote(job), self.config.prefill_timeout_s + 5
-            )
-        except ray.exceptions.RayActorError:
-            self.pools.mark_dead(prefill.name)
-            raise RouterError("UNAVAILABLE", f"{prefill.name} died during prefill") from None
-        finally:
-            if prefill.name in self.loads:
-                self.loads[prefill.name].queued_tokens -= len(adm.prompt_ids)
-        if "error" in first and first["error"] != "cancelled":
-            raise RouterError("INTERNAL", f"prefill failed on {prefill.name}: {first['error']}")
-        if "error" not in first:  # (a cancel has already queued the stream's end)
-            lp = [first["first_logprob"]] if first.get("first_logprob") is not None else None
-            stream.put(Event(0, [first["first_token"]], lp))
+    def pick_prefill(self, candidates: list[WorkerRef], spec: RequestSpec) -> WorkerRef:
+        loads = [self.loads[w.name] for w in candidates if w.name in self.loads]
+        choice = self.policy.pick_prefill(loads, list(spec.prompt_ids))
+        by_name = {w.name: w for w in candidates}
+        return by_name[choice.name] if choice is not None else candidates[0]
 
-    async def _dispatch_colocated(self, adm: Admission, stream: RequestStream) -> None:
-        loads = [
-            self.loads[w.name]
-            for w in self.pools.members("decode")
-            if w.name in self.loads and not w.draining
-        ]
-        for load in self.policy.decode_candidates(loads):
-            w = self.pools.get(load.name)
-            if w is None:
-                continue
-            stream.decode_worker = w.name
-            self._assign(adm, worker=w.name)
-            try:
-                await asyncio.wait_for(
-                    w.handle.submit.remote(self._job(adm)), self.config.rpc_timeout_s
-                )
-            except (TimeoutError, ray.exceptions.RayActorError):
-                self.pools.mark_dead(w.name)
-                continue
+    def reserved(self, name: str, num_blocks: int) -> None:
+        load = self.loads.get(name)
+        if load is not None:
+            load.kv_blocks_free -= num_blocks
             load.running += 1
-            return
-        raise RouterError("UNAVAILABLE", "no live worker")
 
-    @staticmethod
-    def _job(adm: Admission) -> dict:
-        return {
-            "request_id": adm.request_id,
-            "prompt_ids": adm.prompt_ids,
-            "sampling": adm.sampling_dict,
-            "seed": adm.seed,
-            "priority": adm.priority,
-        }
+    def queue_prefill(self, name: str, tokens: int) -> None:
+        load = self.loads.get(name)
+        if load is not None:
+            load.queued_tokens += tokens
 
-    async def cancel(self, request_id: str) -> bool:
-        s = self.streams.get(request_id)
-        if s is None:
-            return False
-        s.end_now("cancelled")
-        await self._cancel_on_workers(s)
-        return True
+    async def call(self, w: WorkerRef, ref, timeout_s: float | None = None):
+        """Await one call to a worker. Its death marks it dead; it, a timeout or a Ray error
+        fail the attempt as UNAVAILABLE; an error the method raised fails it as INTERNAL."""
+        timeout_s = timeout_s or self.config.rpc_timeout_s
+        try:
+            return await asyncio.wait_for(ref, timeout_s)
+        except ray.exceptions.RayActorError as e:
+            self.directory.mark_dead(w.name, f"a call failed: {e}")
+            raise AttemptFailed(Status.UNAVAILABLE, f"{w.name} died") from None
+        except TimeoutError:
+            raise AttemptFailed(
+                Status.UNAVAILABLE, f"{w.name} did not answer within {timeout_s:.0f} s"
+            ) from None
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if getattr(e, "cause", None) is not None else e
+            status = Status.RESOURCE_EXHAUSTED if isinstance(cause, ValueError) else Status.INTERNAL
+            raise AttemptFailed(status, f"{w.name}: {type(cause).__name__}: {cause}") from None
+        except ray.exceptions.RayError as e:
+            raise AttemptFailed(Status.UNAVAILABLE, f"{w.name}: {e}") from None
 
-    async def _cancel_on_workers(self, s: RequestStream) -> None:
+    async def cancel_on(self, names: list[str], request_id: str) -> None:
         calls = []
-        for name in (s.prefill_worker, s.decode_worker):
-            w = self.pools.get(name) if name else None
+        for name in names:
+            w = self.directory.get(name)
             if w is not None and w.alive:
-                calls.append(w.handle.cancel.remote(s.request_id))
+                calls.append(w.handle.cancel.remote(request_id))
         if calls:
             try:
                 await asyncio.wait_for(
                     asyncio.gather(*calls, return_exceptions=True), self.config.rpc_timeout_s
                 )
             except TimeoutError:
-                log.warning("cancel of %s timed out", s.request_id)
+                log.warning("request %s: cancel on %s timed out", request_id, names)
 
-    async def _reserve(self, adm: Admission) -> WorkerRef:
-        """Decode allocates first: find a decode worker with room for the prompt's blocks."""
-        deadline = time.monotonic() + self.config.reserve_timeout_s
-        while True:
-            loads = [
-                self.loads[w.name]
-                for w in self.pools.members("decode")
-                if w.name in self.loads and not w.draining
-            ]
-            if not loads:
-                raise RouterError("UNAVAILABLE", "no live decode worker")
-            for load in self.policy.decode_candidates(loads):
-                w = self.pools.get(load.name)
-                if w is None:
-                    continue
-                try:
-                    blocks = await asyncio.wait_for(
-                        w.handle.reserve.remote(adm.request_id, len(adm.prompt_ids)),
-                        self.config.rpc_timeout_s,
-                    )
-                except (TimeoutError, ray.exceptions.RayActorError):
-                    self.pools.mark_dead(w.name)
-                    continue
-                if blocks is not None:
-                    load.kv_blocks_free -= len(blocks)
-                    load.running += 1
-                    return w
-            if time.monotonic() > deadline:
-                raise RouterError(
-                    "RESOURCE_EXHAUSTED",
-                    "no decode worker has room for this "
-                    f"prompt ({len(adm.prompt_ids)} tokens) after "
-                    f"{self.config.reserve_timeout_s:.0f} s; retry later",
-                )
-            await asyncio.sleep(0.05)
-
-    def _pick_prefill(self, adm: Admission) -> WorkerRef:
-        loads = [
-            self.loads[w.name]
-            for w in self.pools.members("prefill")
-            if w.name in self.loads and not w.draining
-        ]
-        choice = self.policy.pick_prefill(loads, adm.prompt_ids)
-        w = self.pools.get(choice.name) if choice else None
-        if w is None:
-            raise RouterError("UNAVAILABLE", "no live prefill worker")
-        return w
-
-    # -- Redis bookkeeping (best effort: Redis trouble is logged, never hangs a stream) -------
-    def _record_new(self, adm: Admission) -> None:
-        if self.state is not None:
-            if not self._redis(
-                self.state.create,
-                adm.request_id,
-                adm.prompt_ids,
-                {**adm.sampling_dict, "seed": adm.seed},
-                adm.tenant,
-            ):
-                raise RouterError("ALREADY_EXISTS", f"request id {adm.request_id} was used before")
-
-    def _assign(self, adm: Admission, **workers: str) -> None:
-        if self.state is not None:
-            self._redis(self.state.assign, adm.request_id, **workers)
-            self._redis(self.state.transition, adm.request_id, "DECODING", ("QUEUED",))
-
-    def _record_end(self, request_id: str, chunk: Chunk) -> None:
-        state = (
-            "FAILED"
-            if chunk.finish_reason == "error"
-            else ("CANCELLED" if chunk.finish_reason == "cancelled" else "FINISHED")
+    async def record_attempt(
+        self, rid: str, attempt: int, prefill: str, decode: str, cause: str
+    ) -> None:
+        store = self.store
+        await self.records.write(
+            f"{rid} attempt {attempt}",
+            lambda: store.begin_attempt(rid, attempt, self.id, prefill, decode, cause),
         )
-        self._record_state(request_id, state, chunk.finish_reason or "", chunk.error or "")
 
-    def _record_state(self, request_id: str, state: str, reason: str, error: str = "") -> None:
-        if self.state is not None:
-            self._redis(self.state.finish, request_id, state, reason, error)
+    def record_end(self, d: RequestDriver, state: RecordState, reason: str, error: str) -> None:
+        rec = self._record_of(d, state, reason, error)
+        tokens = list(d.stream.tokens)
+        self.records.ended(rec, tokens)
+        store = self.store
+        if store is not None:
+            asyncio.get_running_loop().create_task(
+                self.records.write(f"{d.request_id} end", lambda: store.end(rec, tokens))
+            )
 
-    def _redis(self, fn, *args, **kwargs):
+    async def read_record(self, rid: str) -> RequestRecord | None:
+        return await self.records.read(lambda: self.store.get(rid))
+
+    async def read_tokens(self, rid: str, start: int = 0) -> list[int]:
+        return await self.records.read(lambda: self.store.tokens(rid, start))
+
+    @staticmethod
+    def spec_of(rec: RequestRecord) -> RequestSpec:
+        """The request a record describes, for its next attempt."""
+        return RequestSpec(
+            rec.request_id, rec.prompt_ids, rec.sampling, rec.attempt + 1, priority=rec.priority
+        )
+
+    def forget(self, d: RequestDriver) -> None:
+        if self.drivers.get(d.request_id) is d:
+            del self.drivers[d.request_id]
+
+    def _record_of(
+        self,
+        d: RequestDriver,
+        state: RecordState = RecordState.RUNNING,
+        reason: str = "",
+        error: str = "",
+    ) -> RequestRecord:
+        status = d.stream.chunks[-1].status if d.stream.finished else Status.OK
+        return RequestRecord(
+            d.request_id,
+            d.spec.prompt_ids,
+            d.spec.sampling,
+            d.spec.priority,
+            d.tenant,
+            state,
+            self.id,
+            max(d.attempt, 0),
+            d.prefill or "",
+            d.decode or "",
+            reason,
+            status,
+            error,
+            tuple(d.failures),
+        )
+
+    def _snapshots(self) -> list[tuple[RequestRecord, list[int]]]:
+        return [(self._record_of(d), list(d.stream.tokens)) for d in self.drivers.values()]
+
+    # -- requests ---------------------------------------------------------------------------
+    async def generate(self, adm: Admission) -> AsyncIterator[Chunk]:
+        rid = adm.request_id
+        if rid in self.drivers:
+            raise RouterError(Status.ALREADY_EXISTS, f"request {rid} is already running")
+        if self.queue_depth >= self.config.max_queue:
+            raise RouterError(
+                Status.RESOURCE_EXHAUSTED,
+                f"the admission queue is full ({self.queue_depth} waiting); retry later",
+            )
+        self._check_pools()
+        self.queue_depth += 1
         try:
-            return fn(*args, **kwargs)
-        except Exception as e:
-            log.warning("Redis %s failed: %s", getattr(fn, "__name__", fn), e)
+            await self.slots.acquire()
+        finally:
+            self.queue_depth -= 1
+        driver = None
+        try:
+            spec = adm.spec
+            await self.records.create(
+                RequestRecord(rid, spec.prompt_ids, spec.sampling, spec.priority, adm.tenant)
+            )
+            stream = RequestStream.open(rid, self.tokenizer, spec.sampling.stop)
+            driver = RequestDriver(self, spec, stream)
+            driver.tenant = adm.tenant
+            self.drivers[rid] = driver
+            driver.start()
+            async for chunk in stream.follow():
+                yield chunk
+        finally:
+            self.slots.release()
+            if driver is not None and not driver.stream.finished and driver.task is not None:
+                driver.task.cancel()  # the caller went away: cancel, free the blocks
+
+    def _check_pools(self) -> None:
+        pools = [Pool.DECODE] if self.mode == "colocated" else [Pool.PREFILL, Pool.DECODE]
+        for pool in pools:
+            if not self.directory.members(pool) and not self.directory.starting(pool):
+                raise RouterError(
+                    Status.UNAVAILABLE,
+                    f"no live {pool.value} worker and none starting; check `tandem status` "
+                    "and scale the empty pool",
+                )
+
+    async def cancel(self, request_id: str) -> bool:
+        d = self.drivers.get(request_id)
+        if d is not None and not d.watching:
+            if d.task is not None:
+                d.task.cancel()
             return True
+        # Driven by another router (or adopted and watched): cancel where it runs; its
+        # decode worker tells whoever follows it, and the record ends CANCELLED.
+        rec = await self.read_record(request_id)
+        if rec is None or rec.state.terminal:
+            return False
+        await self.cancel_on([n for n in (rec.prefill, rec.decode) if n], request_id)
+        ended = replace(rec, state=RecordState.CANCELLED, finish_reason="cancelled")
+        tokens = await self.read_tokens(request_id)
+        await self.records.write(f"{request_id} cancel", lambda: self.store.end(ended, tokens))
+        return True
+
+    async def resume(self, request_id: str, offset: int) -> AsyncIterator[Chunk]:
+        """The request's tokens from `offset` on, then its end: from this router's own stream
+        if it drives the request, else from the store's log, followed until it ends."""
+        d = self.drivers.get(request_id)
+        if d is not None and not d.watching:
+            async for c in from_stream(d.stream, offset, self.tokenizer, d.spec.sampling.stop):
+                yield c
+            return
+        rec = await self.read_record(request_id)
+        if rec is None:
+            raise RouterError(Status.NOT_FOUND, f"no request {request_id} (or it expired)")
+        async for c in tail_log(self, rec, offset):
+            yield c
+
+
+async def _refused(w: WorkerRef) -> str | None:
+    """Why the worker's process is surely gone, or None if it may be alive."""
+    host, port = w.info.host, w.info.liveness_port
+    if not port:
+        return None
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 2.0)
+    except (ConnectionRefusedError, ConnectionResetError):
+        return f"its process is gone (connection to {host}:{port} refused)"
+    except (OSError, TimeoutError):
+        return None  # unreachable for now: the heartbeat decides
+    writer.close()
+    return None
+
+
+_HEARTBEAT_TIMEOUT_S = 5.0
+_HEARTBEAT_MISSES = 3

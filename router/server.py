@@ -1,20 +1,31 @@
 """The gRPC face of the router: Generation and Admin services, standard health checking and
-server reflection (so grpcurl and load balancers work), optional bearer-token auth."""
+server reflection (so grpcurl and load balancers work), optional bearer-token auth.
+
+Every failure leaves as a gRPC status: RouterError carries one, a failed request's last chunk
+carries one, and a request is never returned as a truncated success.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 
 import grpc
+import ray
 from google.protobuf.unknown_fields import UnknownFieldSet
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from router import convert
 from router.api import tandem_pb2 as pb
 from router.api import tandem_pb2_grpc as pb_grpc
-from router.core import Router, RouterError
+from router.client import FINAL_KEY
+from router.controller import Controller
+from router.core import Router
+from router.errors import RouterError
 from router.validation import InvalidRequest, validate
+from workers.messages import Pool, Status, WorkerStatus
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +36,7 @@ def _check_auth(context, token: str | None) -> None:
     meta = dict(context.invocation_metadata())
     if meta.get("authorization") != f"Bearer {token}":
         raise RouterError(
-            "UNAUTHENTICATED",
+            Status.UNAUTHENTICATED,
             "missing or wrong bearer token (send metadata authorization: Bearer <token>)",
         )
 
@@ -41,7 +52,7 @@ def _parse_strict(cls):
     def parse(data: bytes):
         try:
             msg = cls.FromString(data)
-        except Exception as e:
+        except Exception as e:  # protobuf's DecodeError, or anything a bad buffer raises
             return Malformed(f"malformed {cls.__name__}: {e}")
         unknown = sorted({f.field_number for f in UnknownFieldSet(msg)})
         if unknown:
@@ -82,11 +93,20 @@ def _add_generation(servicer: GenerationService, server) -> None:
 
 def _reject_malformed(request) -> None:
     if isinstance(request, Malformed):
-        raise RouterError("INVALID_ARGUMENT", request.why)
+        raise RouterError(Status.INVALID_ARGUMENT, request.why)
 
 
 async def _abort(context, e: RouterError) -> None:
-    await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+    # Marked as the router's own decision, so a client does not take it for a broken router.
+    await context.abort(
+        getattr(grpc.StatusCode, e.status.value), e.message, trailing_metadata=((FINAL_KEY, "1"),)
+    )
+
+
+def _failed(chunk) -> RouterError | None:
+    if chunk.finished and chunk.status is not Status.OK:
+        return RouterError(chunk.status, chunk.error or chunk.status.value)
+    return None
 
 
 class GenerationService(pb_grpc.GenerationServicer):
@@ -105,30 +125,13 @@ class GenerationService(pb_grpc.GenerationServicer):
             try:
                 adm = validate(request, self.router.tokenizer, self.max_model_len, self.vocab_size)
             except (InvalidRequest, ValueError) as e:
-                raise RouterError("INVALID_ARGUMENT", str(e)) from None
+                raise RouterError(Status.INVALID_ARGUMENT, str(e)) from None
             completion = 0
             async for chunk in self.router.generate(adm):
+                if (err := _failed(chunk)) is not None:
+                    raise err
                 completion += len(chunk.token_ids)
-                msg = pb.GenerateResponse(
-                    request_id=adm.request_id,
-                    offset=chunk.offset,
-                    token_ids=chunk.token_ids,
-                    text=chunk.text,
-                    logprobs=chunk.logprobs,
-                )
-                if chunk.finished:
-                    if chunk.error and chunk.error.startswith("UNAVAILABLE: "):
-                        raise RouterError("UNAVAILABLE", chunk.error.removeprefix("UNAVAILABLE: "))
-                    msg.final.CopyFrom(
-                        pb.Final(
-                            finish_reason=chunk.finish_reason or "",
-                            error=chunk.error or "",
-                            usage=pb.Usage(
-                                prompt_tokens=len(adm.prompt_ids), completion_tokens=completion
-                            ),
-                        )
-                    )
-                yield msg
+                yield convert.response(adm.request_id, chunk, len(adm.prompt_ids), completion)
         except RouterError as e:
             await _abort(context, e)
 
@@ -136,82 +139,115 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             _check_auth(context, self.auth_token)
             _reject_malformed(request)
+            return pb.CancelResponse(found=await self.router.cancel(request.request_id))
         except RouterError as e:
             await _abort(context, e)
-        return pb.CancelResponse(found=await self.router.cancel(request.request_id))
 
     async def Resume(self, request, context):
-        """Replays a request's logged tokens from `offset`; following a live request across
-        a router restart comes with failure replay."""
+        """A request's tokens from `offset`, then the live ones, to its end."""
         try:
             _check_auth(context, self.auth_token)
             _reject_malformed(request)
-            state = self.router.state
-            if state is None:
-                raise RouterError("UNAVAILABLE", "Resume needs the Redis state store")
-            rec = state.get(request.request_id)
-            if rec is None:
-                raise RouterError("NOT_FOUND", f"no request {request.request_id} (or it expired)")
-            tokens = state.tokens(request.request_id, request.offset)
-            final = None
-            if rec.state in ("FINISHED", "FAILED", "CANCELLED"):
-                final = pb.Final(finish_reason=rec.finish_reason or "", error=rec.error or "")
-            msg = pb.GenerateResponse(
-                request_id=rec.request_id,
-                offset=request.offset,
-                token_ids=tokens,
-                text=self.router.tokenizer.decode(tokens),
-            )
-            if final is not None:
-                msg.final.CopyFrom(final)
-            yield msg
+            rid, total = request.request_id, request.offset
+            async for chunk in self.router.resume(rid, request.offset):
+                if (err := _failed(chunk)) is not None:
+                    raise err
+                total += len(chunk.token_ids)
+                yield convert.response(rid, chunk, 0, total)
         except RouterError as e:
             await _abort(context, e)
 
 
 class AdminService(pb_grpc.AdminServicer):
-    def __init__(self, router: Router, mode: str, auth_token: str | None = None) -> None:
+    def __init__(
+        self,
+        router: Router,
+        controller: Controller,
+        mode: str,
+        auth_token: str | None = None,
+        status_timeout_s: float = 10.0,
+    ) -> None:
         self.router = router
+        self.controller = controller
         self.mode = mode
         self.auth_token = auth_token
+        self.status_timeout_s = status_timeout_s
 
     async def Status(self, request, context):
         try:
             _check_auth(context, self.auth_token)
         except RouterError as e:
             await _abort(context, e)
-        pools = self.router.pools
+            return
+        router = self.router
+        recovery = router.stats.recovery_s
         out = pb.StatusResponse(
             router=pb.RouterStatus(
-                queue_depth=self.router.queue_depth,
-                in_flight=len(self.router.streams),
+                queue_depth=router.queue_depth,
+                in_flight=len(router.drivers),
                 mode=self.mode,
-            )
+                router_id=router.id,
+                controller=self.controller.leader,
+                replays_in_flight=sum(
+                    1 for d in router.drivers.values() if d.replaying_since is not None
+                ),
+                replays_total=router.stats.replays_started,
+                replays_recovered=router.stats.replays_recovered,
+                recovery_p50_s=statistics.median(recovery) if recovery else 0.0,
+                recovery_max_s=max(recovery, default=0.0),
+                store_available=router.records.available,
+            ),
+            pools=[convert.pool_status(p) for p in router.directory.pool_status()],
         )
-        for pool, field in (("prefill", out.prefill), ("decode", out.decode)):
-            for w in pools.members(pool, include_dead=True):
-                try:
-                    s = await asyncio.wait_for(w.handle.status.remote(), 10)
-                    s.pop("reserved", None)
-                    s.pop("queued_prefill_tokens", None)
-                    field.append(pb.WorkerStatus(**s))
-                except Exception:
-                    field.append(pb.WorkerStatus(name=w.name, alive=False))
+        for pool, field in ((Pool.PREFILL, out.prefill), (Pool.DECODE, out.decode)):
+            workers = router.directory.members(pool, include_dead=True)
+            statuses = await asyncio.gather(*(self._worker(w) for w in workers))
+            field.extend(convert.worker_status(s) for s in statuses)
         return out
+
+    async def _worker(self, w) -> WorkerStatus:
+        if not w.alive:
+            return WorkerStatus(w.name, w.pool, w.info.pid, w.info.node, alive=False)
+        try:
+            return await asyncio.wait_for(w.handle.status.remote(), self.status_timeout_s)
+        except (TimeoutError, ray.exceptions.RayError):
+            # Not answering now: shown as not alive; the heartbeat decides if it is dead.
+            return WorkerStatus(w.name, w.pool, w.info.pid, w.info.node, alive=False)
+
+    async def _forward(self, method: str, request, context):
+        """Pool changes are made by the controller alone: pass them on to it."""
+        address = self.controller.leader_address
+        if not address:
+            raise RouterError(
+                Status.UNAVAILABLE, "no controller router is known now; retry in a few seconds"
+            )
+        metadata = [("authorization", f"Bearer {self.auth_token}")] if self.auth_token else None
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.AdminStub(channel)
+            try:
+                return await getattr(stub, method)(
+                    request, timeout=context.time_remaining(), metadata=metadata
+                )
+            except grpc.aio.AioRpcError as e:
+                raise RouterError(Status[e.code().name], e.details()) from None
 
     async def Scale(self, request, context):
         try:
             _check_auth(context, self.auth_token)
             if request.pool not in ("prefill", "decode"):
-                raise RouterError("INVALID_ARGUMENT", f"pool {request.pool!r}: prefill or decode")
+                raise RouterError(
+                    Status.INVALID_ARGUMENT, f"pool {request.pool!r}: prefill or decode"
+                )
             if request.replicas < 1:
                 raise RouterError(
-                    "INVALID_ARGUMENT", "replicas must be >= 1 (a pool needs a worker)"
+                    Status.INVALID_ARGUMENT, "replicas must be >= 1 (a pool needs a worker)"
                 )
+            if not self.controller.leader:
+                return await self._forward("Scale", request, context)
             try:
-                names = await self.router.pools.scale(request.pool, request.replicas)
+                names = await self.router.directory.scale(Pool(request.pool), request.replicas)
             except ValueError as e:
-                raise RouterError("RESOURCE_EXHAUSTED", str(e)) from None
+                raise RouterError(Status.RESOURCE_EXHAUSTED, str(e)) from None
             return pb.ScaleResponse(workers=names)
         except RouterError as e:
             await _abort(context, e)
@@ -219,9 +255,11 @@ class AdminService(pb_grpc.AdminServicer):
     async def Drain(self, request, context):
         try:
             _check_auth(context, self.auth_token)
-            if self.router.pools.get(request.worker) is None:
-                raise RouterError("NOT_FOUND", f"no worker named {request.worker!r}")
-            ok, message = await self.router.pools.drain(request.worker, request.timeout_s or 60)
+            if not self.controller.leader:
+                return await self._forward("Drain", request, context)
+            if self.router.directory.get(request.worker) is None:
+                raise RouterError(Status.NOT_FOUND, f"no worker named {request.worker!r}")
+            ok, message = await self.router.directory.drain(request.worker, request.timeout_s or 60)
             return pb.DrainResponse(drained=ok, message=message)
         except RouterError as e:
             await _abort(context, e)
@@ -236,9 +274,16 @@ async def start_server(
     auth_token: str | None = None,
     host: str = "127.0.0.1",
 ):
+    """Binds, starts the services and the router's controller duties; returns (server,
+    bound port, controller)."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot listen on {host}:{port} (in use?)")
+    advertised = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    controller = Controller(router, f"{advertised}:{bound}")
     _add_generation(GenerationService(router, max_model_len, vocab_size, auth_token), server)
-    pb_grpc.add_AdminServicer_to_server(AdminService(router, mode, auth_token), server)
+    pb_grpc.add_AdminServicer_to_server(AdminService(router, controller, mode, auth_token), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
@@ -248,10 +293,9 @@ async def start_server(
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"cannot listen on {host}:{port} (in use?)")
     await server.start()
+    await controller.tick()
+    router.add_task(controller.run_forever())
     for name in ("", *names[:2]):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, bound
+    return server, bound, controller

@@ -1,123 +1,112 @@
-"""One request's stream on the router: token events arrive from two places (the first token
-from the prefill worker, the rest from the decode worker's polls) and possibly out of order;
-they leave in order, once each, as text deltas that never split a character."""
+"""One request's stream on the router. Token events arrive from several places (the first
+token from the prefill worker, the rest from the decode worker's polls, and again from a
+replay, which starts over from a known offset) and possibly out of order. They leave in order,
+once each, as chunks of token ids with text deltas that never split a character, to every
+consumer following the stream (the Generate call, and any Resume calls on this router)."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
+from workers.messages import Status, TokenEvent
 from workers.model.tokenizer import TextStream
 
-END_NOW = -1  # an Event offset that ends the stream at once (cancel, a dead worker)
 
-
-@dataclass
-class Event:
-    offset: int  # index of token_ids[0] among the request's output tokens
-    token_ids: list[int]
-    logprobs: list[float] | None = None
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-    text: str | None = None  # decode's text so far, cut at a stop string (stop requests only)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Event:
-        return cls(
-            d["offset"],
-            list(d["token_ids"]),
-            d.get("logprobs"),
-            d["finished"],
-            d.get("finish_reason"),
-            d.get("error"),
-            d.get("text"),
-        )
-
-
-@dataclass
+@dataclass(frozen=True)
 class Chunk:
     """What goes to the client: tokens with their text, and the final state on the last one."""
 
     offset: int
-    token_ids: list[int]
+    token_ids: tuple[int, ...]
     text: str
-    logprobs: list[float]
+    logprobs: tuple[float, ...] = ()
     finished: bool = False
     finish_reason: str | None = None
-    error: str | None = None
+    status: Status = Status.OK  # not OK: the request failed (the gRPC call ends with it)
+    error: str = ""
 
 
+@dataclass
 class RequestStream:
-    def __init__(self, request_id: str, tokenizer, stops: tuple[str, ...]) -> None:
-        self.request_id = request_id
-        self.text = TextStream(tokenizer, stops)
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.next_offset = 0
-        self.tokens: list[int] = []
-        self._held: dict[int, Event] = {}
-        self.finished = False
-        self.decode_worker: str | None = None
-        self.prefill_worker: str | None = None
+    request_id: str
+    text: TextStream
+    tokens: list[int] = field(default_factory=list)  # sent, in order
+    chunks: list[Chunk] = field(default_factory=list)
+    finished: bool = False
+    _held: dict[int, TokenEvent] = field(default_factory=dict)
+    _waiter: asyncio.Future | None = None
 
-    def put(self, event: Event) -> None:
-        self.queue.put_nowait(event)
+    @classmethod
+    def open(cls, request_id: str, tokenizer, stops=(), prior: list[int] = ()) -> RequestStream:
+        """`prior`: tokens its client already has (a replay adopted from another router)."""
+        s = cls(request_id, TextStream(tokenizer, tuple(stops)))
+        if prior:
+            s.text.push(list(prior), None, False)
+            s.tokens = list(prior)
+        return s
 
-    def end_now(self, finish_reason: str, error: str | None = None) -> None:
-        self.put(Event(END_NOW, [], finished=True, finish_reason=finish_reason, error=error))
+    @property
+    def next_offset(self) -> int:
+        return len(self.tokens)
 
-    def order(self, event: Event) -> list[Chunk]:
-        """Accept one event; return the chunks now ready to send, in order. Duplicates (an
-        offset already sent) are dropped, which is what makes replays exactly-once."""
+    def put(self, event: TokenEvent) -> None:
+        """Accept one event of the request's output. Tokens already sent (a replay
+        overlapping what went out) are dropped, which is what makes replays exactly-once."""
         if self.finished:
-            return []
-        if event.offset == END_NOW:
-            self.finished = True
-            return [
-                Chunk(
-                    self.next_offset,
-                    [],
-                    self.text.push([], None, True),
-                    [],
-                    True,
-                    event.finish_reason,
-                    event.error,
-                )
-            ]
-        if event.offset < self.next_offset and event.token_ids:
-            skip = self.next_offset - event.offset  # a replay overlapping what was sent
+            return
+        if event.offset < self.next_offset:
+            skip = self.next_offset - event.offset
             if skip >= len(event.token_ids) and not event.finished:
-                return []
-            event = Event(
+                return
+            event = TokenEvent(
+                event.request_id,
+                event.attempt,
                 self.next_offset,
                 event.token_ids[skip:],
                 event.logprobs[skip:] if event.logprobs else None,
-                event.finished,
                 event.finish_reason,
+                event.status,
                 event.error,
                 event.text,
             )
         self._held.setdefault(event.offset, event)
-        chunks = []
         while self.next_offset in self._held:
             e = self._held.pop(self.next_offset)
-            delta = self.text.push(e.token_ids, e.text, e.finished)
+            delta = self.text.push(list(e.token_ids), e.text, e.finished)
             self.tokens += e.token_ids
-            self.next_offset += len(e.token_ids)
-            chunks.append(
-                Chunk(
-                    e.offset,
-                    e.token_ids,
-                    delta,
-                    e.logprobs or [],
-                    e.finished,
-                    e.finish_reason,
-                    e.error,
-                )
-            )
+            reason = e.finish_reason.value if e.finish_reason else None
+            self._emit(Chunk(e.offset, e.token_ids, delta, e.logprobs or (), e.finished, reason))
             if e.finished:
                 self.finished = True
                 break
             if not e.token_ids:
                 break
-        return chunks
+
+    def end(self, status: Status, finish_reason: str | None, error: str = "") -> None:
+        """End the stream now (cancelled, failed), after whatever was already sent."""
+        if self.finished:
+            return
+        self.finished = True
+        tail = self.text.push([], None, True)
+        self._emit(Chunk(self.next_offset, (), tail, (), True, finish_reason, status, error))
+
+    def _emit(self, chunk: Chunk) -> None:
+        self.chunks.append(chunk)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+        self._waiter = None
+
+    async def follow(self, start: int = 0) -> AsyncIterator[Chunk]:
+        """Every chunk from index `start` on, as they come, until the last one."""
+        i = start
+        while True:
+            while i < len(self.chunks):
+                yield self.chunks[i]
+                i += 1
+            if self.finished:
+                return
+            if self._waiter is None:
+                self._waiter = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._waiter)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from router.api import tandem_pb2 as pb
 from workers.engine.request import SamplingParams
-from workers.worker_common import sampling_to_dict
+from workers.messages import RequestSpec
 
 _ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
@@ -23,15 +23,14 @@ class InvalidRequest(ValueError):
 @dataclass(frozen=True)
 class Admission:
     request_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    seed: int  # resolved: the request's own, or drawn here so replays sample the same
-    priority: int
-    tenant: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams  # its seed resolved: the request's own, or drawn here
+    priority: int = 0
+    tenant: str = ""
 
     @property
-    def sampling_dict(self) -> dict:
-        return sampling_to_dict(self.sampling)
+    def spec(self) -> RequestSpec:
+        return RequestSpec(self.request_id, self.prompt_ids, self.sampling, priority=self.priority)
 
 
 def validate(msg: pb.GenerateRequest, tokenizer, max_model_len: int, vocab_size: int) -> Admission:
@@ -77,6 +76,8 @@ def validate(msg: pb.GenerateRequest, tokenizer, max_model_len: int, vocab_size:
         raise InvalidRequest(f"sampling.top_k={top_k}: must be >= -1 (0 or -1 disables it)")
     if any(not x for x in s.stop):
         raise InvalidRequest("sampling.stop: stop strings must be non-empty")
+    # A seed is always fixed here and recorded: a replay then draws exactly the tokens the
+    # first attempt would have, whether or not the client chose the seed.
     seed = s.seed if s.HasField("seed") else random.getrandbits(63)
     sampling = SamplingParams(
         max_tokens=max_tokens,
@@ -89,4 +90,4 @@ def validate(msg: pb.GenerateRequest, tokenizer, max_model_len: int, vocab_size:
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs,
     )
-    return Admission(rid, ids, sampling, seed, msg.priority, msg.tenant)
+    return Admission(rid, tuple(ids), sampling, msg.priority, msg.tenant)

@@ -1,46 +1,83 @@
 """The decode worker (a Ray actor, named `decode-N`).
 
 A request reaches it in three calls:
-1. `reserve(id, prompt_len)`: blocks for the prompt's KV, before any prefill starts, so a
-   transfer never lands in a full cache;
+1. `reserve(id, attempt, tokens, router)`: blocks for the KV, before any prefill starts, so a
+   transfer never lands in a full cache (a reservation not filled in time is given back);
 2. `open_pair(prefill, generation, layout)` once per prefill worker (and per rebuild): the
    layout handshake, then the two-rank process group over this worker's TCPStore;
 3. `receive_kv(prefill, generation, admission)`: called by the prefill worker just before it
-   sends; receives the KV into the reserved blocks and admits the request with its first token.
+   sends; receives the KV into the reserved blocks and admits the request with its new token.
 
-Then the engine loop decodes it with the rest of the batch. Each step's tokens are appended
-to Redis in one pipelined write and queued for the router, which long-polls `poll()`.
-A failed transfer frees the reservation and ends the request with an error.
+Then the engine loop decodes it with the rest of the batch, and the TokenRelay carries each
+step's tokens to the router that follows the request (`poll`) and to the token log. A failed
+transfer frees the reservation and ends the attempt with UNAVAILABLE, which the router replays.
+In colocated mode `submit(spec)` runs both phases here.
+
+Requests are keyed by id and attempt: a call for an older attempt than the one held is refused,
+and a newer attempt replaces what an older one left here.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from dataclasses import dataclass, replace
 
 from kv_transfer.channel import StagingBuffers, recv_kv
 from kv_transfer.layout import KVLayout, LayoutMismatch
 from kv_transfer.protocol import TransferError
 from kv_transfer.torch_dist import PairGroup, store_server
 from workers.engine.engine import RequestOutput
-from workers.worker_common import WorkerBase, sampling_from_dict
+from workers.engine.request import FinishReason
+from workers.messages import (
+    DecodeEndpoint,
+    KVAdmission,
+    Pool,
+    PushResult,
+    RequestSpec,
+    Reservation,
+    Status,
+    TokenEvent,
+    TokenLog,
+    WorkerInfo,
+)
+from workers.token_relay import TokenRelay
+from workers.worker_common import WorkerBase
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Held:
+    """A request this worker holds: reserved (awaiting its KV) or generating."""
+
+    attempt: int
+    offset: int = 0  # output index of the next token it emits
+    reserved_until: float | None = None  # while only reserved
+
+
+def status_of(o: RequestOutput) -> Status:
+    if o.finish_reason is FinishReason.CANCELLED:
+        return Status.CANCELLED
+    if o.finish_reason is FinishReason.ERROR:
+        return Status.RESOURCE_EXHAUSTED if o.error and "KV blocks" in o.error else Status.INTERNAL
+    return Status.OK
+
+
 class DecodeWorker(WorkerBase):
+    pool = Pool.DECODE
+
     def __init__(
         self,
         name: str,
-        engine_config: dict,
-        redis_url: str | None = None,
-        transfer_host: str = "127.0.0.1",
+        engine_config,
+        token_log: TokenLog | None = None,
+        transfer_host: str | None = None,
         transfer_timeout_s: float = 10.0,
     ) -> None:
         super().__init__(name, engine_config, transfer_host, transfer_timeout_s)
-        self.store = store_server(transfer_host)
+        self.store = store_server(self.transfer_host)
         self.pairs: dict[str, tuple[int, PairGroup]] = {}
         self.staging: dict[str, StagingBuffers] = {}  # per pair: receive buffers, reused
         # Blocks being written by a transfer must not be freed under it: a cancel that
@@ -48,39 +85,48 @@ class DecodeWorker(WorkerBase):
         self._receiving: set[str] = set()
         self._cancel_after_receive: set[str] = set()
         self._pair_lock = threading.Lock()
-        self._outputs: list[dict] = []
-        self._cond = threading.Condition()
-        # (token batch, events) from the engine loop, logged to Redis and then published by
-        # the relay thread: no Redis round trip inside the decode loop, and a token reaches
-        # the router only once it is in the log.
-        self._relay: queue.Queue = queue.Queue()
-        self._tokens_logged: dict[str, int] = {}
-        self.state = None
-        if redis_url:
-            from cluster.state import StateStore
-
-            self.state = StateStore(redis_url)
-        threading.Thread(target=self._relay_forever, name=f"{name}-relay", daemon=True).start()
+        self._held: dict[str, _Held] = {}  # the loop thread's alone
+        self.relay = TokenRelay(name, token_log, on_fenced=self._fenced)
         self.start_loop(self._on_outputs)
+        self._stop = threading.Event()
+        threading.Thread(target=self._expire_forever, name=f"{name}-expiry", daemon=True).start()
 
-    # -- identity and status ----------------------------------------------------------------
-    def info(self) -> dict:
-        return {
-            "name": self.name,
-            "host": self.transfer_host,
-            "port": self.store.port,
-            "layout": self.layout.to_dict(),
-            "block_size": self.layout.block_size,
-        }
+    def info(self) -> WorkerInfo:
+        endpoint = DecodeEndpoint(self.name, self.transfer_host, self.store.port)
+        return WorkerInfo(
+            self.name,
+            self.pool,
+            self.pid,
+            self.node,
+            endpoint,
+            self.transfer_host,
+            self.liveness.port,
+        )
 
     # -- the handoff ------------------------------------------------------------------------
-    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int] | None:
+    def reserve(
+        self, request_id: str, attempt: int, num_tokens: int, router_id: str, ttl_s: float
+    ) -> Reservation | None:
+        """Blocks for `num_tokens` tokens of KV, or None (no room, draining, or a newer
+        attempt is already here). Given back if no KV arrives within ttl_s."""
         if self.draining:
             return None
-        return self.loop.call(self.engine.reserve, request_id, num_prompt_tokens).result(10)
+        return self.loop.call(
+            self._reserve, request_id, attempt, num_tokens, router_id, ttl_s
+        ).result(10)
 
-    def release(self, request_id: str) -> bool:
-        return self.loop.call(self.engine.release, request_id).result(10)
+    def _reserve(self, rid: str, attempt: int, num_tokens: int, router_id: str, ttl_s: float):
+        held = self._held.get(rid)
+        if held is not None:
+            if held.attempt >= attempt:
+                return None
+            self._drop(rid)
+        n = self.engine.reserve(rid, num_tokens)
+        if n is None:
+            return None
+        self._held[rid] = _Held(attempt, reserved_until=time.monotonic() + ttl_s)
+        self.relay.follow(rid, router_id)
+        return Reservation(rid, attempt, n)
 
     def check_layout(self, prefill: str, layout: dict) -> None:
         """The handshake: raises LayoutMismatch, naming every differing field."""
@@ -88,10 +134,6 @@ class DecodeWorker(WorkerBase):
             self.layout.check_compatible(KVLayout.from_dict(layout))
         except LayoutMismatch as e:
             raise LayoutMismatch(f"{prefill} -> {self.name}: {e}") from None
-
-    def fail_request(self, request_id: str, message: str) -> None:
-        """The sender gave up on this request's KV: free its reservation, report the error."""
-        self.loop.call(self._fail_reserved, request_id, message).result(10)
 
     def open_pair(self, prefill: str, generation: int, layout: dict) -> None:
         """Rank 1 of a new pair group with `prefill`; returns once both ranks have joined."""
@@ -110,27 +152,20 @@ class DecodeWorker(WorkerBase):
         if old is not None:
             old[1].close()
 
-    def receive_kv(self, prefill: str, generation: int, admission: dict) -> dict:
+    def receive_kv(self, prefill: str, generation: int, admission: KVAdmission) -> PushResult:
         """Receive one request's KV on the pair with `prefill`, then admit the request."""
-        rid = admission["request_id"]
+        spec = admission.spec
+        rid = spec.request_id
         with self._pair_lock:
             current = self.pairs.get(prefill)
+            self._receiving.add(rid)
         try:
             if current is None or current[0] != generation:
                 raise TransferError(f"no pair group {prefill}/{generation} on {self.name}")
-            blocks = self.loop.call(
-                lambda: (
-                    list(self.engine.scheduler.kv.block_table(rid))
-                    if rid in self.engine.scheduler.reserved
-                    else None
-                )
-            ).result(10)
+            blocks = self.loop.call(self._reserved_blocks, rid, spec.attempt).result(10)
             if blocks is None:
-                raise TransferError(f"{rid} has no reservation on {self.name}")
-            with self._pair_lock:
-                self._receiving.add(rid)
+                raise TransferError(f"{rid} (attempt {spec.attempt}) has no reservation here")
             t0 = time.perf_counter()
-            runner = self.engine.runner
             # Each layer goes straight into the reserved blocks as it lands; nothing reads
             # reserved blocks until the request is admitted below.
             desc, _ = recv_kv(
@@ -140,22 +175,33 @@ class DecodeWorker(WorkerBase):
                 self.device,
                 accept=lambda d: d.request_id == rid and d.num_blocks <= len(blocks),
                 staging=self.staging.setdefault(prefill, StagingBuffers()),
-                on_layer=lambda i, t: runner.import_layer(i, blocks[: t.shape[1]], t),
+                on_layer=lambda i, t: self.engine.import_kv_layer(i, blocks[: t.shape[1]], t),
             )
             seconds = time.perf_counter() - t0
-            if self._done_receiving(rid):
-                self.loop.call(self.engine.release, rid).result(10)
-                return {"ok": True, "seconds": seconds, "finished": True}
-            out = self.loop.call(self._admit, admission, desc.first_token).result(10)
-            return {"ok": True, "seconds": seconds, "finished": out is not None}
+            if self._done_receiving(rid):  # cancelled meanwhile
+                self.loop.call(self._drop, rid).result(10)
+                return PushResult(rid, True, seconds)
+            self.loop.call(self._admit, admission, desc.first_token).result(10)
+            return PushResult(rid, True, seconds)
         except Exception as e:
             message = f"KV transfer {prefill} -> {self.name} failed: {e}"
-            log.warning("%s", message)
+            log.warning("request %s: %s", rid, message)
             if current is not None and isinstance(e, TransferError):
                 self._drop_pair(prefill, current[0])
             self._done_receiving(rid)
-            self.loop.call(self._fail_reserved, rid, message)
-            return {"ok": False, "error": message}
+            self.loop.call(self._fail, rid, spec.attempt, message)
+            return PushResult(rid, False, error=message)
+
+    def fail_request(self, request_id: str, attempt: int, message: str) -> None:
+        """The sender gave up on this attempt's KV: free the reservation, report UNAVAILABLE."""
+        self.loop.call(self._fail, request_id, attempt, message).result(10)
+
+    def _reserved_blocks(self, rid: str, attempt: int) -> list[int] | None:
+        held = self._held.get(rid)
+        if held is None or held.attempt != attempt or held.reserved_until is None:
+            return None
+        held.reserved_until = float("inf")  # the KV is arriving: no longer expires
+        return self.engine.reserved_blocks(rid)
 
     def _done_receiving(self, rid: str) -> bool:
         """The transfer for rid is over; True if it was cancelled meanwhile."""
@@ -166,39 +212,133 @@ class DecodeWorker(WorkerBase):
                 return True
             return False
 
-    def _admit(self, admission: dict, first_token: int) -> RequestOutput | None:
-        rid = admission["request_id"]
-        if rid not in self.engine.scheduler.reserved:
-            return None  # cancelled while the KV was in flight
-        self._publish([], {rid: [first_token]})
-        self._tokens_logged[rid] = 1
+    # -- on the loop thread -----------------------------------------------------------------
+    def _admit(self, admission: KVAdmission, token: int) -> None:
+        spec = admission.spec
+        rid = spec.request_id
+        held = self._held.get(rid)
+        if held is None or held.attempt != spec.attempt or held.reserved_until is None:
+            return  # cancelled or superseded while the KV was in flight
+        outputs = [*spec.output_ids, token]
+        held.reserved_until, held.offset = None, len(outputs)
+        self.relay.begin(rid, spec.attempt, spec.router_id, list(spec.output_ids))
+        lp = (admission.first_logprob,) if spec.sampling.logprobs else None
+        first = TokenEvent(rid, spec.attempt, len(spec.output_ids), (token,), lp)
         out = self.engine.add_prefilled(
             rid,
-            admission["prompt_ids"],
-            first_token,
-            sampling_from_dict(admission["sampling"]),
-            admission["seed"],
-            admission.get("priority", 0),
-            admission.get("first_logprob"),
+            list(spec.prompt_ids),
+            outputs,
+            spec.sampling,
+            spec.sampling.seed,
+            spec.priority,
+            admission.first_logprob,
         )
-        if out is not None:
-            self._on_outputs([out])
-        return out
+        if out is None:
+            self.relay.emit([first])
+        else:  # the first token already ends it
+            self._held.pop(rid, None)
+            self.relay.emit([first, self._event(out, spec.attempt, held.offset)])
 
-    def _fail_reserved(self, rid: str, message: str) -> None:
-        if self.engine.release(rid):
-            self._publish(
-                [
-                    {
-                        "request_id": rid,
-                        "offset": 1,
-                        "token_ids": [],
-                        "finished": True,
-                        "finish_reason": "error",
-                        "error": message,
-                    }
-                ]
-            )
+    def _fail(self, rid: str, attempt: int, message: str) -> None:
+        held = self._held.get(rid)
+        if held is None or held.attempt != attempt:
+            return
+        failed = TokenEvent(
+            rid, attempt, held.offset, finish_reason=FinishReason.ERROR, status=Status.UNAVAILABLE
+        )
+        self.relay.emit([replace(failed, error=message)])
+        self._drop(rid)
+
+    def _drop(self, rid: str) -> None:
+        """Forget a request here at once: reservation or running, its blocks are free."""
+        self._held.pop(rid, None)
+        self.engine.abort(rid)
+        self.relay.end(rid)
+
+    def _fenced(self, rid: str) -> None:
+        self.loop.call(self._drop, rid)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid, held in list(self._held.items()):
+            if held.reserved_until is not None and now > held.reserved_until:
+                log.warning("request %s: reservation expired with no KV; freeing it", rid)
+                self._drop(rid)
+
+    def _expire_forever(self) -> None:
+        while not self._stop.wait(1.0):
+            self.loop.call(self._expire)
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        events = []
+        for o in outputs:
+            held = self._held.get(o.request_id)
+            if held is None:
+                continue
+            events.append(self._event(o, held.attempt, held.offset))
+            held.offset += len(o.new_token_ids)
+            if o.finished:
+                del self._held[o.request_id]
+        if events:
+            self.relay.emit(events)
+
+    @staticmethod
+    def _event(o: RequestOutput, attempt: int, offset: int) -> TokenEvent:
+        return TokenEvent(
+            o.request_id,
+            attempt,
+            offset,
+            tuple(o.new_token_ids),
+            tuple(o.new_logprobs) if o.new_logprobs is not None else None,
+            o.finish_reason,
+            status_of(o),
+            o.error or "",
+            o.text,
+        )
+
+    # -- requests ---------------------------------------------------------------------------
+    def submit(self, spec: RequestSpec) -> bool:
+        """Colocated mode: prefill and decode the request here, chunked prefill mixed into
+        the decode batches. False if a newer attempt is already here."""
+        return self.loop.call(self._submit, spec).result(10)
+
+    def _submit(self, spec: RequestSpec) -> bool:
+        rid = spec.request_id
+        held = self._held.get(rid)
+        if held is not None:
+            if held.attempt >= spec.attempt:
+                return False
+            self._drop(rid)
+        self.engine.add_request(
+            list(spec.prompt_ids),
+            spec.sampling,
+            rid,
+            spec.priority,
+            output_ids=spec.output_ids,
+        )
+        self._held[rid] = _Held(spec.attempt, offset=len(spec.output_ids))
+        self.relay.begin(rid, spec.attempt, spec.router_id, list(spec.output_ids))
+        return True
+
+    def cancel(self, request_id: str) -> bool:
+        with self._pair_lock:
+            if request_id in self._receiving:
+                self._cancel_after_receive.add(request_id)
+                return True
+        return self.loop.call(self._cancel, request_id).result(10)
+
+    def _cancel(self, rid: str) -> bool:
+        found = rid in self._held
+        self._drop(rid)
+        return found
+
+    def adopt(self, request_id: str, router_id: str) -> bool:
+        """Send a request's further events to `router_id` (its old router is gone)."""
+        return self.relay.adopt(request_id, router_id)
+
+    def poll(self, router_id: str, timeout_s: float = 1.0) -> list[TokenEvent]:
+        """This router's events since its last poll; waits up to timeout_s for one."""
+        return self.relay.poll(router_id, timeout_s)
 
     def _drop_pair(self, prefill: str, generation: int) -> None:
         with self._pair_lock:
@@ -207,85 +347,18 @@ class DecodeWorker(WorkerBase):
                 del self.pairs[prefill]
                 cur[1].close()
 
-    # -- requests -----------------------------------------------------------------------------
-    def submit(self, job: dict) -> None:
-        """Colocated mode: prefill and decode the request here, chunked prefill mixed into
-        the decode batches. Its tokens stream from offset 0."""
-        rid = job["request_id"]
-        self._tokens_logged[rid] = 0
-        sampling = sampling_from_dict({**job["sampling"], "seed": job["seed"]})
-        self.loop.call(
-            self.engine.add_request, job["prompt_ids"], sampling, rid, job.get("priority", 0)
-        ).result(10)
-
-    def cancel(self, request_id: str) -> bool:
+    def forget_prefill(self, name: str) -> None:
+        """A prefill worker left the pool: close our pair with it."""
         with self._pair_lock:
-            if request_id in self._receiving:
-                self._cancel_after_receive.add(request_id)
-                return True
-        return self.loop.call(self.engine.abort, request_id).result(10)
-
-    # -- outputs ------------------------------------------------------------------------------
-    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
-        batch, events = {}, []
-        for o in outputs:
-            offset = self._tokens_logged.get(o.request_id, 1)
-            if o.new_token_ids:
-                batch[o.request_id] = o.new_token_ids
-                self._tokens_logged[o.request_id] = offset + len(o.new_token_ids)
-            events.append(
-                {
-                    "request_id": o.request_id,
-                    "offset": offset,
-                    "token_ids": o.new_token_ids,
-                    "logprobs": o.new_logprobs,
-                    "finished": o.finished,
-                    "finish_reason": o.finish_reason.value if o.finish_reason else None,
-                    "error": o.error,
-                    "text": o.text,
-                }
-            )
-            if o.finished:
-                self._tokens_logged.pop(o.request_id, None)
-        self._publish(events, batch)
-
-    def _publish(self, events: list[dict], tokens: dict[str, list[int]] | None = None) -> None:
-        self._relay.put((tokens or {}, events))
-
-    def _relay_forever(self) -> None:
-        while (item := self._relay.get()) is not None:
-            items = [item]
-            while not self._relay.empty():  # whatever queued meanwhile: one write for all
-                nxt = self._relay.get_nowait()
-                if nxt is None:
-                    self._relay.put(None)
-                    break
-                items.append(nxt)
-            batch: dict[str, list[int]] = {}
-            for tokens, _ in items:
-                for rid, ids in tokens.items():
-                    batch.setdefault(rid, []).extend(ids)
-            if self.state is not None and batch:
-                try:
-                    self.state.append_tokens(batch)  # one pipelined write
-                except Exception:
-                    log.exception("token log write to Redis failed")
-            with self._cond:
-                for _, events in items:
-                    self._outputs.extend(events)
-                self._cond.notify_all()
-
-    def poll(self, timeout_s: float = 1.0) -> list[dict]:
-        """Everything produced since the last poll; waits up to timeout_s for something."""
-        with self._cond:
-            if not self._outputs:
-                self._cond.wait(timeout_s)
-            out, self._outputs = self._outputs, []
-        return out
+            cur = self.pairs.pop(name, None)
+            self.staging.pop(name, None)
+        if cur is not None:
+            cur[1].close()
 
     def shutdown(self) -> None:
+        self._stop.set()
         self.loop.stop()
-        self._relay.put(None)
+        self.relay.stop()
         with self._pair_lock:
             for _, g in self.pairs.values():
                 g.close()

@@ -3,7 +3,8 @@
     loop: apply queued commands -> step -> hand the step's outputs on -> (idle: wait for work)
 
 Actor methods run on other threads; they never touch the engine directly but submit closures
-with `call()`, which run between steps and return through a Future.
+with `call()`, which run between steps and return through a Future. The loop keeps a snapshot
+of the engine's stats, so a status call never waits for a step to end.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from workers.engine.engine import LLMEngine, RequestOutput
+from workers.engine.engine import EngineStats, LLMEngine, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,8 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.steps = 0
+        self.stats: EngineStats = engine.stats()
+        self._step_started: float | None = None
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -41,6 +45,12 @@ class EngineLoop:
         self._stopped.set()
         self._commands.put(None)
         self._thread.join(timeout_s)
+
+    @property
+    def stalled_s(self) -> float:
+        """How long the step now running has taken (0 between steps): a hung step shows here."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def call(self, fn: Callable, *args, **kwargs) -> Future:
         """Run fn(*args, **kwargs) on the loop thread between two steps."""
@@ -54,10 +64,14 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stopped.is_set():
             self._apply(block=not self.engine.has_unfinished())
+            self.stats = self.engine.stats()
             if self._stopped.is_set() or not self.engine.has_unfinished():
                 continue
+            self._step_started = time.monotonic()
             outputs = self.engine.step()
+            self._step_started = None
             self.steps += 1
+            self.stats = self.engine.stats()
             if outputs:
                 try:
                     self.on_outputs(outputs)

@@ -12,57 +12,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
+from workers.completion import Completion, GenerationRequest
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
-from workers.engine.request import SamplingParams
 from workers.model.tokenizer import TextStream
 
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """A text prompt (sent as one user message through the chat template) or raw token ids."""
-
-    prompt: str | None = None
-    prompt_ids: tuple[int, ...] | None = None
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    priority: int = 0
-
-    def __post_init__(self) -> None:
-        if (self.prompt is None) == (self.prompt_ids is None):
-            raise ValueError("give exactly one of prompt and prompt_ids")
-        if self.prompt is not None and not self.prompt.strip():
-            raise ValueError("prompt is empty")
-
-
-@dataclass
-class Completion:
-    index: int
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    error: str | None = None
-    ttft_s: float | None = None
-    e2e_s: float | None = None
-    logprobs: list[float] | None = None
-
-    def to_json(self) -> dict:
-        d = {
-            "index": self.index,
-            "token_ids": self.token_ids,
-            "text": self.text,
-            "finish_reason": self.finish_reason,
-            "ttft_s": self.ttft_s,
-            "e2e_s": self.e2e_s,
-        }
-        if self.error:
-            d["error"] = self.error
-        if self.logprobs is not None:
-            d["logprobs"] = self.logprobs
-        return d
+__all__ = ["LLM", "Completion", "GenerationRequest"]
 
 
 DeltaCallback = Callable[[int, str, bool], None]  # (index, text delta, finished)

@@ -2,262 +2,218 @@
 
 A request passes through:
 1. `prefill(job)`: queued into the engine, which batches and chunks prompts across waiting
-   requests; it returns as soon as the first token is sampled (that is TTFT);
-2. the export: as the request ends in the engine, its prompt blocks are copied out (the
-   blocks themselves stay behind as prefix cache) and queued for its decode worker;
-3. the push: one sender thread per decode worker, in order: open the pair group if needed
-   (layout handshake first), ask the decode worker to `receive_kv`, send, wait for its ack.
+   requests; the call returns a PrefillResult as soon as the first token is sampled (TTFT).
+   A replay's job carries the tokens already sent: they are computed with the prompt (most
+   of which is usually still in this worker's prefix cache) and the token after them is
+   sampled at its own position.
+2. the KV stays held in the engine (keep_kv) and is queued, as a Push, on the KVSender for
+   the job's decode worker;
+3. the sender pushes it (see workers/kv_sender.py) and gives the blocks back; they remain as
+   prefix cache.
 
-A failed push closes that pair (the next push rebuilds it, with a new generation) and the
-decode worker ends the request with an error; nothing waits longer than the transfer timeout.
+A job for a request that this worker still holds under an older attempt replaces it.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 
-from kv_transfer.channel import send_kv
-from kv_transfer.protocol import TransferDescriptor, TransferError
-from kv_transfer.torch_dist import PairGroup, store_client
+from kv_transfer.protocol import TransferDescriptor
 from workers.engine.engine import RequestOutput
-from workers.engine.request import Request, RequestStatus, SamplingParams
-from workers.worker_common import WorkerBase, sampling_from_dict
+from workers.engine.request import FinishReason
+from workers.kv_sender import KVSender, Push
+from workers.messages import (
+    DecodeEndpoint,
+    KVAdmission,
+    Pool,
+    PrefillJob,
+    PrefillResult,
+    PushResult,
+    Status,
+    WorkerInfo,
+)
+from workers.worker_common import WorkerBase, prefill_sampling
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Push:
-    job: dict
-    blocks: list[int]  # held in the pool until the push ends
-    desc: TransferDescriptor
-    first_logprob: float | None = None
-    done: Future = field(default_factory=Future)
+class _Job:
+    job: PrefillJob
+    result: Future  # of PrefillResult
+
+    @property
+    def attempt(self) -> int:
+        return self.job.spec.attempt
 
 
 class PrefillWorker(WorkerBase):
-    def __init__(
-        self,
-        name: str,
-        engine_config: dict,
-        transfer_host: str = "127.0.0.1",
-        transfer_timeout_s: float = 10.0,
-    ) -> None:
+    pool = Pool.PREFILL
+
+    def __init__(self, name, engine_config, transfer_host=None, transfer_timeout_s=10.0):
         super().__init__(name, engine_config, transfer_host, transfer_timeout_s)
-        self.jobs: dict[str, dict] = {}
-        self.first: dict[str, Future] = {}
-        self.pushes: dict[str, _Push] = {}  # in flight
-        self.push_results: OrderedDict[str, dict] = OrderedDict()  # the latest few, for callers
-        self.senders: dict[str, _Sender] = {}
-        self.queued_tokens = 0
-        self.engine.scheduler.before_free = self._export
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Job] = {}  # being prefilled
+        self._pushes: dict[str, tuple[Push, Future]] = {}  # queued or on the wire
+        self._push_results: OrderedDict[str, PushResult] = OrderedDict()  # the latest few
+        self._senders: dict[str, KVSender] = {}
+        self._queued_tokens = 0
         self.start_loop(self._on_outputs)
 
-    def info(self) -> dict:
-        return {"name": self.name, "layout": self.layout.to_dict()}
-
-    def status(self) -> dict:
-        return {**super().status(), "queued_prefill_tokens": self.queued_tokens}
-
-    def prefill(self, job: dict, timeout_s: float = 300.0) -> dict:
-        """job: request_id, prompt_ids, sampling, seed, priority, decode {name, host, port,
-        handle}. Returns {first_token, first_logprob} once sampled, or {error}."""
-        rid = job["request_id"]
-        sp = sampling_from_dict(job["sampling"])
-        # Prefill samples exactly one token, whatever ends the request later on decode.
-        first_only = SamplingParams(
-            max_tokens=1,
-            temperature=sp.temperature,
-            top_p=sp.top_p,
-            top_k=sp.top_k,
-            seed=job["seed"],
-            ignore_eos=True,
-            logprobs=sp.logprobs,
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            self.name,
+            self.pool,
+            self.pid,
+            self.node,
+            host=self.transfer_host,
+            liveness_port=self.liveness.port,
         )
-        fut: Future = Future()
-        self.first[rid] = fut
-        self.jobs[rid] = job
-        self.queued_tokens += len(job["prompt_ids"])
+
+    def queued_prefill_tokens(self) -> int:
+        return self._queued_tokens
+
+    # -- requests -------------------------------------------------------------------------
+    def prefill(self, job: PrefillJob, timeout_s: float = 300.0) -> PrefillResult:
+        spec = job.spec
+        rid, attempt = spec.request_id, spec.attempt
+        entry = _Job(job, Future())
+        with self._lock:
+            old = self._jobs.get(rid)
+            if old is not None and old.attempt >= attempt:
+                return PrefillResult(
+                    rid, attempt, Status.ALREADY_EXISTS, error=f"{rid} is already being prefilled"
+                )
+            self._jobs[rid] = entry
+            self._queued_tokens += spec.num_tokens
+        if old is not None:
+            old.result.set_result(PrefillResult(rid, old.attempt, Status.CANCELLED))
         try:
-            self.loop.call(
-                self.engine.add_request, job["prompt_ids"], first_only, rid, job.get("priority", 0)
-            ).result(10)
-            return fut.result(timeout_s)
-        except Exception as e:
+            self.loop.call(self._add, job).result(10)
+            return entry.result.result(timeout_s)
+        except ValueError as e:  # the engine refused it: it can never fit here
+            return PrefillResult(rid, attempt, Status.RESOURCE_EXHAUSTED, error=str(e))
+        except FutureTimeout:
             self.loop.call(self.engine.abort, rid)
-            return {"error": f"{type(e).__name__}: {e}"}
+            return PrefillResult(
+                rid, attempt, Status.UNAVAILABLE, error=f"prefill took over {timeout_s:.0f} s"
+            )
         finally:
-            self.first.pop(rid, None)
-            self.queued_tokens -= len(job["prompt_ids"])
+            with self._lock:
+                self._queued_tokens -= spec.num_tokens
+                if self._jobs.get(rid) is entry:
+                    del self._jobs[rid]
+
+    def _add(self, job: PrefillJob) -> None:
+        """On the loop thread."""
+        spec = job.spec
+        self.engine.abort(spec.request_id)  # an older attempt, if it is still here
+        self.engine.add_request(
+            list(spec.prompt_ids),
+            prefill_sampling(spec.sampling),
+            spec.request_id,
+            spec.priority,
+            output_ids=spec.output_ids,
+            stop_after=len(spec.output_ids) + 1,
+            keep_kv=True,
+        )
 
     def cancel(self, request_id: str) -> bool:
         found = self.loop.call(self.engine.abort, request_id).result(10)
-        push = self.pushes.get(request_id)
+        with self._lock:
+            entry = self._jobs.get(request_id)
+            push = self._pushes.get(request_id)
         if push is not None:
-            push.job["cancelled"] = True
-        fut = self.first.pop(request_id, None)
-        if fut is not None and not fut.done():
-            fut.set_result({"error": "cancelled"})
-        return found or push is not None
+            push[0].cancelled = True  # not sent if it has not started; else it completes
+        if entry is not None and not entry.result.done():
+            entry.result.set_result(PrefillResult(request_id, entry.attempt, Status.CANCELLED))
+        return found or push is not None or entry is not None
+
+    def push_result(self, request_id: str, timeout_s: float = 60.0) -> PushResult:
+        """Wait for a request's KV push to end."""
+        with self._lock:
+            push = self._pushes.get(request_id)
+            done = self._push_results.get(request_id)
+        if push is not None:
+            return push[1].result(timeout_s)
+        return done or PushResult(request_id, False, error="no such push")
 
     # -- on the loop thread ---------------------------------------------------------------
-    def _export(self, req: Request, block_ids: list[int]) -> None:
-        """As a prefill ends, hold its prompt blocks for the push (they are read layer by
-        layer while sending, then released into the prefix cache)."""
-        job = self.jobs.pop(req.request_id, None)
-        if job is None or req.status != RequestStatus.FINISHED_LENGTH:
-            return
-        n = -(-req.num_prompt_tokens // self.layout.block_size)
-        blocks = list(block_ids[:n])
-        self.engine.pool.hold(blocks)
-        desc = TransferDescriptor(
-            req.request_id, self.layout, n, req.num_prompt_tokens, req.output_token_ids[0]
-        )
-        lp = req.output_logprobs[0] if req.output_logprobs else None
-        push = _Push(job, blocks, desc, lp)
-        self.pushes[req.request_id] = push
-        self._sender(job["decode"]).submit(push)
-
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:
-            fut = self.first.get(o.request_id)
-            if fut is None or fut.done() or not o.finished:
-                continue
-            if o.new_token_ids:
-                lp = o.new_logprobs[0] if o.new_logprobs else None
-                fut.set_result({"first_token": o.new_token_ids[0], "first_logprob": lp})
-            else:
-                fut.set_result({"error": o.error or (o.finish_reason and o.finish_reason.value)})
+            if o.finished:
+                self._finished(o)
 
-    def _sender(self, decode: dict) -> _Sender:
-        s = self.senders.get(decode["name"])
+    def _finished(self, o: RequestOutput) -> None:
+        with self._lock:
+            entry = self._jobs.get(o.request_id)
+        if entry is None or entry.result.done():  # cancelled or superseded meanwhile
+            if o.kv_blocks:
+                self.engine.release_kv(o.kv_blocks)
+            return
+        spec = entry.job.spec
+        if o.kv_blocks is None or not o.new_token_ids:
+            status = (
+                Status.CANCELLED
+                if o.finish_reason is FinishReason.CANCELLED
+                else Status.RESOURCE_EXHAUSTED
+                if o.error and "KV blocks" in o.error
+                else Status.INTERNAL
+            )
+            entry.result.set_result(
+                PrefillResult(spec.request_id, spec.attempt, status, error=o.error or "")
+            )
+            return
+        token = o.new_token_ids[0]
+        logprob = o.new_logprobs[0] if o.new_logprobs else None
+        desc = TransferDescriptor(
+            spec.request_id, self.layout, len(o.kv_blocks), spec.num_tokens, token
+        )
+        push = Push(KVAdmission(spec, logprob), list(o.kv_blocks), desc)
+        with self._lock:
+            self._pushes[spec.request_id] = (push, Future())
+        self._sender(entry.job.decode).submit(push)
+        entry.result.set_result(
+            PrefillResult(spec.request_id, spec.attempt, Status.OK, token, logprob)
+        )
+
+    def _sender(self, target: DecodeEndpoint) -> KVSender:
+        s = self._senders.get(target.name)
         if s is None:
-            s = self.senders[decode["name"]] = _Sender(self, decode)
+            s = self._senders[target.name] = KVSender(
+                self.name,
+                target,
+                self.layout,
+                self.device,
+                self.transfer_host,
+                self.transfer_timeout_s,
+                gather=self.engine.export_kv_layer,
+                release=lambda blocks: self.loop.call(self.engine.release_kv, blocks),
+                on_done=self._push_done,
+            )
         return s
 
-    def push_result(self, request_id: str, timeout_s: float = 60.0) -> dict:
-        """Wait for a request's KV push to finish: {ok, seconds} or {ok: False, error}."""
-        push = self.pushes.get(request_id)
-        if push is not None:
-            return push.done.result(timeout_s)
-        return self.push_results.get(request_id, {"ok": False, "error": "no such push"})
+    def _push_done(self, push: Push, result: PushResult) -> None:
+        with self._lock:
+            entry = self._pushes.pop(push.request_id, None)
+            self._push_results[push.request_id] = result
+            while len(self._push_results) > 1024:
+                self._push_results.popitem(last=False)
+        if entry is not None:
+            entry[1].set_result(result)
 
-    def _push_done(self, push: _Push, result: dict) -> None:
-        self.push_results[push.desc.request_id] = result
-        while len(self.push_results) > 1024:
-            self.push_results.popitem(last=False)
-        self.pushes.pop(push.desc.request_id, None)
-        push.done.set_result(result)
+    def forget_decode(self, name: str) -> None:
+        """A decode worker left the pool: close our pair with it."""
+        s = self._senders.pop(name, None)
+        if s is not None:
+            s.stop()
 
     def shutdown(self) -> None:
         self.loop.stop()
-        for s in self.senders.values():
+        for s in self._senders.values():
             s.stop()
-
-
-class _Sender:
-    """Pushes to one decode worker, one transfer at a time, over that pair's group."""
-
-    def __init__(self, owner: PrefillWorker, decode: dict) -> None:
-        self.owner = owner
-        self.decode = decode
-        self.group: PairGroup | None = None
-        self.generation = 0
-        self.queue: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(
-            target=self._run, daemon=True, name=f"{owner.name}->{decode['name']}"
-        )
-        self.thread.start()
-
-    def submit(self, push: _Push) -> None:
-        self.queue.put(push)
-
-    def stop(self) -> None:
-        self.queue.put(None)
-        if self.group is not None:
-            self.group.close()
-
-    def _run(self) -> None:
-        while (push := self.queue.get()) is not None:
-            try:
-                self._push(push)
-            finally:
-                self.owner.loop.call(self.owner.engine.pool.free, push.blocks)
-
-    def _push(self, push: _Push) -> None:
-        import ray
-
-        rid = push.desc.request_id
-        handle = self.decode["handle"]
-        timeout = self.owner.transfer_timeout_s
-        if push.job.get("cancelled"):
-            self.owner._push_done(push, {"ok": False, "error": "cancelled"})
-            return
-        try:
-            t0 = time.perf_counter()
-            self._ensure_group(handle, timeout)
-            admission = {
-                "request_id": rid,
-                "prompt_ids": push.job["prompt_ids"],
-                "sampling": push.job["sampling"],
-                "seed": push.job["seed"],
-                "priority": push.job.get("priority", 0),
-                "first_logprob": push.first_logprob,
-            }
-            ref = handle.receive_kv.remote(self.owner.name, self.generation, admission)
-            runner = self.owner.engine.runner
-            # Gathered layer by layer while earlier layers are on the wire.
-            layers = (
-                runner.export_layer(i, push.blocks) for i in range(self.owner.layout.num_layers)
-            )
-            send_kv(self.group, push.desc, layers, timeout)
-            result = ray.get(ref, timeout=timeout + 5)
-            if not result.get("ok"):
-                raise TransferError(result.get("error", "receiver failed"))
-            result["send_seconds"] = time.perf_counter() - t0
-            self.owner._push_done(push, result)
-        except Exception as e:
-            message = f"KV push {self.owner.name} -> {self.decode['name']} failed: {e}"
-            log.warning("%s (request %s)", message, rid)
-            if self.group is not None:
-                self.group.close()
-                self.group = None  # rebuilt, with a new generation, at the next push
-            try:  # the decode worker frees the reservation and ends the request
-                ray.get(handle.fail_request.remote(rid, message), timeout=timeout)
-            except Exception:
-                log.warning("could not tell %s that %s failed", self.decode["name"], rid)
-            self.owner._push_done(push, {"ok": False, "error": message})
-
-    def _ensure_group(self, handle, timeout: float) -> None:
-        import ray
-
-        if self.group is not None:
-            return
-        # The handshake: a layout mismatch is refused here, before any group or bytes.
-        ray.get(
-            handle.check_layout.remote(self.owner.name, self.owner.layout.to_dict()),
-            timeout=timeout,
-        )
-        self.generation += 1
-        ref = handle.open_pair.remote(self.owner.name, self.generation, self.owner.layout.to_dict())
-        store = store_client(self.decode["host"], self.decode["port"], timeout)
-        try:
-            group = PairGroup(
-                store,
-                f"pair/{self.owner.name}/{self.generation}",
-                0,
-                self.owner.device,
-                self.owner.transfer_host,
-                timeout,
-            )
-        except TransferError:
-            ray.get(ref, timeout=timeout)  # surfaces a layout mismatch as the cause
-            raise
-        ray.get(ref, timeout=timeout)
-        self.group = group

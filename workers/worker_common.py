@@ -1,41 +1,19 @@
-"""What prefill and decode actors share: engine construction from plain config, identity,
-the engine loop, and the status every worker reports."""
+"""What prefill and decode actors share: the engine and the loop thread that drives it,
+identity, and the status every worker reports."""
 
 from __future__ import annotations
 
 import logging
 import os
 import socket
+import threading
+from dataclasses import replace
 
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.engine.request import SamplingParams
-
-
-def build_engine(engine_config: dict) -> LLMEngine:
-    return LLMEngine(EngineConfig(**engine_config))
-
-
-def sampling_from_dict(d: dict) -> SamplingParams:
-    d = dict(d)
-    for key in ("stop", "stop_token_ids"):
-        if key in d:
-            d[key] = tuple(d[key])
-    return SamplingParams(**d)
-
-
-def sampling_to_dict(sp: SamplingParams) -> dict:
-    return {
-        "max_tokens": sp.max_tokens,
-        "temperature": sp.temperature,
-        "top_p": sp.top_p,
-        "top_k": sp.top_k,
-        "seed": sp.seed,
-        "stop": list(sp.stop),
-        "stop_token_ids": list(sp.stop_token_ids),
-        "ignore_eos": sp.ignore_eos,
-        "logprobs": sp.logprobs,
-    }
+from workers.engine_loop import EngineLoop
+from workers.messages import Pool, WorkerStatus
 
 
 def node_address() -> str:
@@ -43,51 +21,90 @@ def node_address() -> str:
         import ray
 
         return ray.util.get_node_ip_address()
-    except Exception:
+    except Exception:  # outside Ray (tests): the host's own address
         return socket.gethostbyname(socket.gethostname())
 
 
-def worker_status(name: str, engine: LLMEngine, draining: bool = False) -> dict:
-    sched = engine.scheduler
-    return {
-        "name": name,
-        "pid": os.getpid(),
-        "node": node_address(),
-        "alive": True,
-        "kv_blocks_total": engine.pool.num_blocks,
-        "kv_blocks_free": engine.pool.num_free_blocks,
-        "running": len(sched.running),
-        "waiting": len(sched.waiting),
-        "reserved": len(sched.reserved),
-        "draining": draining,
-    }
+def prefill_sampling(sp: SamplingParams) -> SamplingParams:
+    """A prefill samples exactly one token and never decides that it ends the request: the
+    decode worker applies EOS, stop ids and stop strings to it with the rest."""
+    return replace(sp, ignore_eos=True, stop=(), stop_token_ids=())
+
+
+class LivenessPort:
+    """A listening socket that accepts and closes at once: while this process lives, a
+    connection to it succeeds; once it is gone, the kernel refuses it."""
+
+    def __init__(self, host: str) -> None:
+        self.sock = socket.create_server((host, 0), backlog=64)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, name="liveness", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed at shutdown
+                return
+            conn.close()
 
 
 class WorkerBase:
     """A named worker around one engine, driven by one EngineLoop thread. Subclasses set up
     their own state, then call `start_loop` with their output handler."""
 
+    pool: Pool
+
     def __init__(
-        self, name: str, engine_config: dict, transfer_host: str, transfer_timeout_s: float
+        self,
+        name: str,
+        engine_config: EngineConfig,
+        transfer_host: str | None,
+        transfer_timeout_s: float,
     ) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {name}: %(message)s")
         self.name = name
-        self.engine = build_engine(engine_config)
-        self.layout = self.engine.runner.layout
-        self.device = self.engine.runner.device
-        self.transfer_host = transfer_host
+        self.engine = LLMEngine(engine_config)
+        self.layout = self.engine.kv_layout
+        self.device = self.engine.device
+        self.transfer_host = transfer_host or node_address()
         self.transfer_timeout_s = transfer_timeout_s
         self.draining = False
-        self.loop = None
+        self.pid = os.getpid()
+        self.node = node_address()
+        self.loop: EngineLoop | None = None
+        self.liveness = LivenessPort(self.transfer_host)
 
     def start_loop(self, on_outputs) -> None:
-        from workers.engine_loop import EngineLoop
-
         self.loop = EngineLoop(self.engine, on_outputs, name=f"{self.name}-loop").start()
 
-    def status(self) -> dict:
-        return self.loop.call(worker_status, self.name, self.engine, self.draining).result(10)
+    def status(self) -> WorkerStatus:
+        """Answered from the loop's last snapshot: never waits for a step to end."""
+        s = self.loop.stats
+        return WorkerStatus(
+            name=self.name,
+            pool=self.pool,
+            pid=self.pid,
+            node=self.node,
+            kv_blocks_total=s.kv_blocks_total,
+            kv_blocks_free=s.kv_blocks_free,
+            running=s.running,
+            waiting=s.waiting,
+            reserved=s.reserved,
+            queued_prefill_tokens=self.queued_prefill_tokens(),
+            draining=self.draining,
+            steps=self.loop.steps,
+            preemptions=s.preemptions,
+            prefix_hit_blocks=s.prefix_hit_blocks,
+            stalled_s=self.loop.stalled_s,
+        )
+
+    def queued_prefill_tokens(self) -> int:
+        return 0
 
     def set_draining(self, draining: bool) -> None:
         """A draining worker takes no new requests and finishes the ones it has."""
         self.draining = draining
+
+    def ping(self) -> str:
+        return self.name

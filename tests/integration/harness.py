@@ -9,8 +9,15 @@ import threading
 from cluster.cluster import Cluster
 from cluster.config import ClusterConfig
 from router.client import TandemClient, to_proto
+from workers.completion import GenerationRequest
 from workers.engine.request import SamplingParams
-from workers.offline import GenerationRequest
+
+
+def cluster_config(**values) -> ClusterConfig:
+    """A ClusterConfig from nested values, as a config file would give them."""
+    from cluster import config_io
+
+    return config_io.build(ClusterConfig, values, "test config")
 
 
 class ClusterHarness:
@@ -44,6 +51,10 @@ class ClusterHarness:
         from router.client import status_to_dict
 
         return status_to_dict(self.run(self.client.status()))
+
+    @property
+    def store(self):
+        return self.cluster.store
 
     def wait_all_free(self, timeout_s: float = 30.0) -> dict:
         """Status once every worker's free blocks equal its total (G3), or the last one seen."""

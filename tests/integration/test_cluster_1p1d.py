@@ -9,9 +9,14 @@ import time
 import grpc
 import pytest
 
-from cluster.config import ClusterConfig
 from router.api import tandem_pb2 as pb
-from tests.integration.harness import CHATS, ClusterHarness, greedy, offline_reference
+from tests.integration.harness import (
+    CHATS,
+    ClusterHarness,
+    cluster_config,
+    greedy,
+    offline_reference,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -21,10 +26,10 @@ REQUESTS = [greedy(c, 24 + 4 * i) for i, c in enumerate(CHATS * 2)]  # 16 concur
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     h = ClusterHarness(
-        ClusterConfig(
-            port=0,
+        cluster_config(
+            router={"port": 0},
             dashboard=False,
-            num_kv_blocks=256,
+            engine={"num_kv_blocks": 256},
             data_dir=str(tmp_path_factory.mktemp("data")),
         )
     )
@@ -50,15 +55,17 @@ def test_greedy_streams_equal_the_offline_engine(cluster, reference):
 
 
 def test_token_log_and_state_in_redis(cluster):
-    from cluster.state import StateStore
+    from cluster.state import key
+    from router.store import RecordState
 
     [r] = cluster.generate_many([greedy("Name a colour.", 8)])
-    store = cluster.cluster.router.state
-    assert isinstance(store, StateStore)
-    rec = store.get(r.request_id)
-    assert rec.state == "FINISHED" and rec.finish_reason == r.finish_reason
-    assert store.tokens(r.request_id) == r.token_ids
-    assert 0 < store.r.ttl(store.key(r.request_id)) <= store.ttl_s
+    store = cluster.store
+    rec = cluster.run(store.get(r.request_id))
+    assert rec.state is RecordState.FINISHED and rec.finish_reason == r.finish_reason
+    assert rec.attempt == 1 and rec.failures == () and rec.decode == "decode-0"
+    assert cluster.run(store.tokens(r.request_id)) == r.token_ids
+    assert 0 < cluster.run(store.r.ttl(key(r.request_id))) <= store.ttl_s
+    assert r.request_id not in cluster.run(store.active())  # nothing left in flight
 
 
 def test_resume_replays_from_an_offset(cluster):
@@ -132,7 +139,7 @@ def test_bad_input_gets_invalid_argument(cluster, kwargs, fragment):
 
 def test_wrongly_typed_field_gets_invalid_argument(cluster):
     async def raw():
-        call = cluster.client.channel.unary_stream(
+        call = cluster.client.channels[0].unary_stream(
             "/tandem.v1.Generation/Generate",
             request_serializer=lambda b: b,
             response_deserializer=pb.GenerateResponse.FromString,
@@ -152,7 +159,7 @@ def test_health_reflection_and_status_cli(cluster):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     async def check():
-        stub = health_pb2_grpc.HealthStub(cluster.client.channel)
+        stub = health_pb2_grpc.HealthStub(cluster.client.channels[0])
         r = await stub.Check(health_pb2.HealthCheckRequest(service="tandem.v1.Generation"))
         return r.status
 

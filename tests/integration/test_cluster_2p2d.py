@@ -2,8 +2,13 @@
 
 import pytest
 
-from cluster.config import ClusterConfig
-from tests.integration.harness import CHATS, ClusterHarness, greedy, offline_reference
+from tests.integration.harness import (
+    CHATS,
+    ClusterHarness,
+    cluster_config,
+    greedy,
+    offline_reference,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -18,14 +23,13 @@ def reference():
 @pytest.mark.parametrize("mode, prefill, decode", [("disaggregated", 2, 2), ("colocated", 0, 2)])
 def test_greedy_streams_equal_the_offline_engine(tmp_path, reference, mode, prefill, decode):
     h = ClusterHarness(
-        ClusterConfig(
-            port=0,
+        cluster_config(
+            router={"port": 0},
             dashboard=False,
-            num_kv_blocks=256,
+            engine={"num_kv_blocks": 256},
             mode=mode,
-            prefill=max(prefill, 1),
-            decode=decode,
-            cpus_per_worker=0.5,
+            prefill={"replicas": max(prefill, 1), "cpus": 0.5},
+            decode={"replicas": decode, "cpus": 0.5},
             data_dir=str(tmp_path),
         )
     )
@@ -40,17 +44,10 @@ def test_greedy_streams_equal_the_offline_engine(tmp_path, reference, mode, pref
         for w in s["prefill"] + s["decode"]:
             assert w["kv_blocks_free"] == w["kv_blocks_total"], w
         assert s["router"]["mode"] == mode and router.queue_depth == 0
-        # Both decode workers carried requests.
-        from cluster.state import StateStore
-
-        store: StateStore = router.state
-        used = {
-            store.r.hget(store.key(r.request_id), "decode" if mode == "disaggregated" else "worker")
-            for r in results
-        }
-        assert used == {"decode-0", "decode-1"}
+        # Both decode workers (and in disaggregated mode both prefill workers) were used.
+        recs = [h.run(h.store.get(r.request_id)) for r in results]
+        assert {rec.decode for rec in recs} == {"decode-0", "decode-1"}
         if mode == "disaggregated":
-            used_p = {store.r.hget(store.key(r.request_id), "prefill") for r in results}
-            assert used_p == {"prefill-0", "prefill-1"}
+            assert {rec.prefill for rec in recs} == {"prefill-0", "prefill-1"}
     finally:
         h.stop()

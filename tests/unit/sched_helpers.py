@@ -1,8 +1,9 @@
 """Drive a Scheduler with hand-made model outputs: no model, no torch."""
 
 from workers.engine.block_pool import BlockPool
+from workers.engine.config import SchedulerConfig
 from workers.engine.request import Request, SamplingParams
-from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.engine.scheduler import Scheduler
 from workers.engine.scheduler_output import SampledToken
 
 EOS = 0

@@ -57,14 +57,33 @@ def test_in_process_round_trip_and_refusal():
     desc = TransferDescriptor("r1", LAYOUT, 2, 7, 5)
     layers = payload(desc)
     round_trip(a, b, desc, layers)
-    # A receiver that does not expect the request refuses it; the sender hears so.
-    t = threading.Thread(
-        target=lambda: pytest.raises(TransferError, recv_kv, b, LAYOUT, 5, accept=lambda d: False)
-    )
-    t.start()
+    # A receiver that does not expect the request refuses it, and both sides say so.
+    receiver = _in_thread(lambda: recv_kv(b, LAYOUT, 5, accept=lambda d: False))
     with pytest.raises(TransferError, match="refused"):
         send_kv(a, desc, layers, 5)
-    t.join(5)
+    outcome = receiver(5)
+    assert isinstance(outcome, TransferError) and "no reservation matches" in str(outcome)
+
+
+def _in_thread(fn):
+    """Run fn in a thread; the returned join(timeout) gives its result or its exception."""
+    box = {}
+
+    def run():
+        try:
+            box["out"] = fn()
+        except Exception as e:  # handed to the test's thread
+            box["out"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+
+    def join(timeout):
+        t.join(timeout)
+        assert not t.is_alive(), "the thread did not finish"
+        return box["out"]
+
+    return join
 
 
 def test_in_process_timeout():

@@ -5,24 +5,30 @@ import asyncio
 
 import pytest
 
-from router.core import Router, RouterConfig, RouterError
+from router.config import RouterConfig
+from router.core import Router
+from router.errors import RouterError
 from router.server import _check_auth
 from router.validation import Admission
 from workers.engine.request import SamplingParams
+from workers.messages import Status
 
 
 class NoPools:
-    """A pool manager with no workers at all."""
+    """A worker directory with no workers at all, and none starting."""
 
-    def __init__(self):
-        self.listeners = []
+    def subscribe(self, listener):
+        pass
 
     def members(self, pool, include_dead=False):
         return []
 
+    def starting(self, pool):
+        return 0
+
 
 def admission(rid="r1"):
-    return Admission(rid, [1, 2, 3], SamplingParams(max_tokens=4), 7, 0, "")
+    return Admission(rid, (1, 2, 3), SamplingParams(max_tokens=4, seed=7))
 
 
 async def first_error(router, adm):
@@ -43,8 +49,8 @@ def test_full_queue_is_resource_exhausted_and_empty_pools_unavailable():
         return full, empty
 
     full, empty = asyncio.run(go())
-    assert full.code == "RESOURCE_EXHAUSTED" and "queue is full" in full.message
-    assert empty.code == "UNAVAILABLE" and "scale the empty pool" in empty.message
+    assert full.status is Status.RESOURCE_EXHAUSTED and "queue is full" in full.message
+    assert empty.status is Status.UNAVAILABLE and "scale the empty pool" in empty.message
 
 
 class Ctx:
@@ -61,4 +67,4 @@ def test_bearer_token_is_checked():
     for meta in ([], [("authorization", "Bearer wrong")], [("authorization", "s3cret")]):
         with pytest.raises(RouterError) as e:
             _check_auth(Ctx(meta), "s3cret")
-        assert e.value.code == "UNAUTHENTICATED"
+        assert e.value.status is Status.UNAUTHENTICATED

@@ -1,7 +1,15 @@
+import asyncio
+
 from router.routing import RoutingPolicy, WorkerLoad
-from router.stream import Event, RequestStream
+from router.stream import RequestStream
+from workers.engine.request import FinishReason
+from workers.messages import Status, TokenEvent
 from workers.model.loader import ModelSource
 from workers.model.tokenizer import Tokenizer
+
+
+def ev(offset, ids, finish=None):
+    return TokenEvent("r", 1, offset, tuple(ids), finish_reason=finish)
 
 
 def test_decode_prefers_free_blocks_and_skips_draining():
@@ -30,13 +38,49 @@ def test_prefill_affinity_within_slack_else_least_loaded():
 def test_stream_orders_dedupes_and_never_splits_characters(smollm2_tokenizer_dir):
     tok = Tokenizer(ModelSource(smollm2_tokenizer_dir))
     ids = tok.encode("naïve 🐝 bees")
-    s = RequestStream("r", tok, ())
-    assert s.order(Event(2, ids[2:4])) == []  # ahead of the first token: held
-    first = s.order(Event(0, ids[:2]))
-    assert [c.offset for c in first] == [0, 2]
-    assert s.order(Event(0, ids[:3])) == []  # a replay of what was sent: dropped
-    rest = s.order(Event(3, ids[3:], finished=True, finish_reason="stop"))
-    assert s.tokens == ids and rest[-1].finished
-    text = "".join(c.text for c in first + rest)
-    assert text == "naïve 🐝 bees"
-    assert s.order(Event(99, [1])) == []  # nothing after the end
+    s = RequestStream.open("r", tok)
+    s.put(ev(2, ids[2:4]))
+    assert s.chunks == []  # ahead of the first token: held
+    s.put(ev(0, ids[:2]))
+    assert [c.offset for c in s.chunks] == [0, 2]
+    s.put(ev(0, ids[:3]))
+    assert len(s.chunks) == 2  # a replay of what was sent: dropped
+    s.put(ev(3, ids[3:], FinishReason.STOP))
+    assert s.tokens == ids and s.chunks[-1].finished
+    assert s.chunks[-1].finish_reason == "stop" and s.chunks[-1].status is Status.OK
+    assert "".join(c.text for c in s.chunks) == "naïve 🐝 bees"
+    n = len(s.chunks)
+    s.put(ev(99, [1]))
+    assert len(s.chunks) == n  # nothing after the end
+
+
+def test_replay_overlapping_what_was_sent_continues_exactly_once(smollm2_tokenizer_dir):
+    """A replay starts over from an earlier offset (the log lagged): the overlap is dropped,
+    the rest goes out once, and every follower sees the same chunks."""
+    tok = Tokenizer(ModelSource(smollm2_tokenizer_dir))
+    ids = tok.encode("one two three four five six")
+    s = RequestStream.open("r", tok)
+
+    async def go():
+        follower = asyncio.create_task(_collect(s))
+        s.put(ev(0, ids[:4]))
+        s.put(TokenEvent("r", 2, 2, tuple(ids[2:6])))  # attempt 2 re-sends 2..3
+        s.put(TokenEvent("r", 2, 6, tuple(ids[6:]), finish_reason=FinishReason.LENGTH))
+        return await asyncio.wait_for(follower, 5)
+
+    chunks = asyncio.run(go())
+    got = [t for c in chunks for t in c.token_ids]
+    assert got == ids and chunks[-1].finish_reason == "length"
+
+
+def test_stream_ended_with_a_status_carries_it(smollm2_tokenizer_dir):
+    tok = Tokenizer(ModelSource(smollm2_tokenizer_dir))
+    s = RequestStream.open("r", tok, prior=tok.encode("already sent"))
+    assert s.next_offset == len(tok.encode("already sent"))
+    s.end(Status.UNAVAILABLE, "error", "gave up after 4 attempts")
+    last = s.chunks[-1]
+    assert last.finished and last.status is Status.UNAVAILABLE and "4 attempts" in last.error
+
+
+async def _collect(stream):
+    return [c async for c in stream.follow()]

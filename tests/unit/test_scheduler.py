@@ -70,16 +70,22 @@ def test_finish_reasons_eos_length_stop_token_and_ignore_eos():
 def test_preemption_takes_the_newest_and_it_resumes_with_its_outputs():
     # 6 blocks of 4 tokens; two requests of 8-token prompts grow until one must be preempted.
     s = make_scheduler(num_blocks=6, block_size=4)
-    s.add_request(make_request("old", prompt_len=8, max_tokens=12))
-    s.add_request(make_request("new", prompt_len=8, max_tokens=12))
-    preempted = []
-    for _ in range(60):
+    reqs = [make_request("old", prompt_len=8, max_tokens=12)]
+    reqs.append(make_request("new", prompt_len=8, max_tokens=12))
+    for r in reqs:
+        s.add_request(r)
+    preempted, ran_after = [], set()
+    for _ in range(80):
         out, _ = run_step(s)
+        ran_after |= {r.request_id for r in out.scheduled if r.request_id in preempted}
         preempted += out.preempted_ids
         if not s.has_unfinished():
             break
     assert preempted and preempted[0] == "new"
-    assert not s.has_unfinished()
+    assert "new" in ran_after, "the preempted request never ran again"
+    for r in reqs:  # both ran to their full length, the victim with its outputs kept
+        assert r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 12, r
+    assert reqs[1].num_preemptions >= 1
     assert_no_leak(s)
 
 
@@ -101,8 +107,9 @@ def test_max_model_len_ends_with_length():
 
 def test_preempted_request_recomputes_prompt_and_outputs():
     s = make_scheduler(num_blocks=4, block_size=4, prefix_caching=False)
-    s.add_request(make_request("a", prompt_len=4, max_tokens=20))
-    s.add_request(make_request("b", prompt_len=4, max_tokens=20))
+    # 16 token slots: each request alone fits (4 + 10 tokens), the two together do not.
+    s.add_request(make_request("a", prompt_len=4, max_tokens=10))
+    s.add_request(make_request("b", prompt_len=4, max_tokens=10))
     for _ in range(50):
         out, _ = run_step(s)
         if out.preempted_ids:
@@ -111,13 +118,23 @@ def test_preempted_request_recomputes_prompt_and_outputs():
     produced = victim.num_output_tokens
     assert victim.num_computed_tokens == 0 and produced > 0
     # When it runs again, its first chunk covers prompt and earlier outputs.
+    rerun = None
     for _ in range(50):
         out, _ = run_step(s)
         mine = [r for r in out.scheduled if r.request_id == victim.request_id]
         if mine:
-            assert mine[0].start_position == 0
-            assert mine[0].token_ids == victim.all_token_ids[: mine[0].num_tokens]
+            rerun = mine[0]
             break
+    assert rerun is not None, "the preempted request was never admitted again"
+    assert rerun.start_position == 0 and rerun.num_tokens == 4 + produced
+    assert rerun.token_ids == victim.all_token_ids[: rerun.num_tokens]
+    assert rerun.num_output_tokens == produced  # the sampler continues at its own position
+    for _ in range(100):
+        run_step(s)
+        if not s.has_unfinished():
+            break
+    assert victim.status == RequestStatus.FINISHED_LENGTH and victim.num_output_tokens == 10
+    assert_no_leak(s)
 
 
 def test_cancel_frees_blocks_at_once():

@@ -3,6 +3,14 @@
     step = schedule -> execute on the model -> update bookkeeping -> apply stop strings
 
 The engine holds no threads; the offline API and the workers drive `step()` in their loops.
+Disaggregation uses it through a small API, never through the scheduler or block pool:
+
+- prefill side: `add_request(..., stop_after=n + 1, keep_kv=True)` samples one token past
+  the n it was given and keeps the KV blocks held (`RequestOutput.kv_blocks`); the worker
+  reads them with `export_kv_layer` and gives them back with `release_kv`;
+- decode side: `reserve` blocks, fill them with `import_kv_layer` (`reserved_blocks` says
+  where), then `add_prefilled`, or `release` the reservation;
+- both: `abort`, and `stats()` for the worker's status.
 """
 
 from __future__ import annotations
@@ -14,11 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kv_transfer.layout import KVLayout
 from workers.engine.block_pool import BlockPool
 from workers.engine.config import EngineConfig
 from workers.engine.model_runner import ModelRunner
 from workers.engine.request import FinishReason, Request, RequestStatus, SamplingParams
-from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.engine.scheduler import Scheduler
 from workers.engine.stop_strings import StopStringMatcher
 from workers.model.llama import LlamaForCausalLM
 from workers.model.loader import build_model, resolve_model
@@ -37,6 +46,19 @@ class RequestOutput:
     new_logprobs: list[float] | None = None  # only for requests that asked for logprobs
     # Set only for requests with stop strings: their text so far, cut at any stop string.
     text: str | None = None
+    # keep_kv requests that ended naturally: the blocks now held for them (see release_kv).
+    kv_blocks: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    kv_blocks_total: int
+    kv_blocks_free: int
+    running: int
+    waiting: int
+    reserved: int
+    preemptions: int
+    prefix_hit_blocks: int
 
 
 class LLMEngine:
@@ -66,18 +88,7 @@ class LLMEngine:
             model, num_blocks, config.block_size, device, config.attention_backend
         )
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                prefill_chunk_size=config.prefill_chunk_size,
-                policy=config.policy,
-                batching=config.batching,
-                max_model_len=self.max_model_len,
-            ),
-            self.pool,
-        )
+        self.scheduler = Scheduler(config.scheduler(self.max_model_len), self.pool)
         eos = set(model.cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -100,8 +111,15 @@ class LLMEngine:
         sampling: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        *,
+        output_ids: list[int] | tuple[int, ...] = (),
+        stop_after: int | None = None,
+        keep_kv: bool = False,
     ) -> str:
-        self.validate_prompt(prompt_token_ids)
+        """Queue a request. `output_ids` are tokens it already generated (a replay): they
+        are computed with the prompt and generation continues after them, with the sampler at
+        the same positions and the same remaining budget as if it had never stopped."""
+        self.validate_prompt(list(prompt_token_ids) + list(output_ids))
         req = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=list(prompt_token_ids),
@@ -109,11 +127,20 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             priority=priority,
             seed=sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63),
+            output_token_ids=list(output_ids),
+            stop_after=stop_after,
+            keep_kv=keep_kv,
         )
         self.scheduler.add_request(req)
-        if sampling.stop:
-            self._stops[req.request_id] = StopStringMatcher(self.tokenizer, sampling.stop)
+        self._watch_stops(req)
         return req.request_id
+
+    def _watch_stops(self, req: Request) -> None:
+        if req.sampling.stop:
+            matcher = StopStringMatcher(self.tokenizer, req.sampling.stop)
+            if req.output_token_ids:  # a replay: the text so far may hold a stop's beginning
+                matcher.push(req.output_token_ids)
+            self._stops[req.request_id] = matcher
 
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -139,25 +166,54 @@ class LLMEngine:
             )
 
     # -- disaggregation ---------------------------------------------------------------------
-    def reserve(self, request_id: str, num_prompt_tokens: int) -> list[int] | None:
-        """Blocks for a prompt whose KV a prefill worker will send; None if they don't fit."""
-        return self.scheduler.reserve(request_id, num_prompt_tokens)
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self.runner.layout
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    def reserve(self, request_id: str, num_tokens: int) -> int | None:
+        """Hold blocks for `num_tokens` tokens whose KV a prefill worker will send; returns
+        how many blocks, or None if they don't fit now."""
+        blocks = self.scheduler.reserve(request_id, num_tokens)
+        return None if blocks is None else len(blocks)
+
+    def reserved_blocks(self, request_id: str) -> list[int] | None:
+        """Where a reservation's KV goes, in order; None without a reservation."""
+        return self.scheduler.reserved_blocks(request_id)
 
     def release(self, request_id: str) -> bool:
+        """Give back a reservation (the transfer failed or was cancelled)."""
         return self.scheduler.release(request_id)
+
+    def import_kv_layer(self, layer: int, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write one layer of a transfer into reserved blocks (nothing reads them yet)."""
+        self.runner.import_layer(layer, block_ids, data)
+
+    def export_kv_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
+        """One layer of kept blocks as `[2, n, block_size, kv_heads, dim]`; thread-safe for
+        blocks held with keep_kv, which no step writes."""
+        return self.runner.export_layer(layer, block_ids)
+
+    def release_kv(self, block_ids: list[int]) -> None:
+        """Give back blocks a keep_kv request held; they stay behind as prefix cache."""
+        self.pool.free(block_ids)
 
     def add_prefilled(
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        first_token: int,
+        output_ids: list[int],
         sampling: SamplingParams,
         seed: int,
         priority: int = 0,
-        first_logprob: float | None = None,
+        last_logprob: float | None = None,
     ) -> RequestOutput | None:
-        """Admit a request prefilled elsewhere (its KV already written into its reserved
-        blocks). Returns its final output if the first token already ends it."""
+        """Admit a request prefilled elsewhere: the KV of the prompt and of every output
+        token but the last (just sampled) is in its reserved blocks. Returns its final
+        output if that last token already ends it."""
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -165,21 +221,26 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             priority=priority,
             seed=seed,
-            output_token_ids=[first_token],
+            output_token_ids=list(output_ids),
         )
-        if first_logprob is not None and sampling.logprobs:
-            req.output_logprobs.append(first_logprob)
+        if last_logprob is not None and sampling.logprobs:
+            req.output_logprobs.append(last_logprob)
         self.scheduler.add_prefilled(req)
+        last = req.output_token_ids[-1]
         if sampling.stop:
-            self._stops[request_id] = StopStringMatcher(self.tokenizer, sampling.stop)
-            if self._stops[request_id].push([first_token]) is not None:
+            matcher = StopStringMatcher(self.tokenizer, sampling.stop)
+            self._stops[request_id] = matcher
+            if len(output_ids) > 1:
+                matcher.push(req.output_token_ids[:-1])
+            if matcher.push([last]) is not None:
                 self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
-        status = self.scheduler.check_stop(req, first_token)
+        status = self.scheduler.check_stop(req, last)
         if status is not None and not req.is_finished:
             self.scheduler.finish_request(request_id, status)
         if req.is_finished:
-            self._stops.pop(request_id, None)
-            return RequestOutput(request_id, [], True, req.finish_reason, req.error)
+            matcher = self._stops.pop(request_id, None)
+            text = matcher.text if matcher is not None else None
+            return RequestOutput(request_id, [], True, req.finish_reason, req.error, None, text)
         return None
 
     def abort(self, request_id: str) -> bool:
@@ -193,6 +254,18 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        sched = self.scheduler
+        return EngineStats(
+            kv_blocks_total=self.pool.num_blocks,
+            kv_blocks_free=self.pool.num_free_blocks,
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            reserved=len(sched.reserved),
+            preemptions=sched.num_preemptions,
+            prefix_hit_blocks=self.pool.num_prefix_hits,
+        )
 
     # -- the loop body ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -223,7 +296,14 @@ class LLMEngine:
                 del self._stops[req.request_id]
         logprobs = req.output_logprobs[-len(new_ids) :] if req.sampling.logprobs else None
         return RequestOutput(
-            req.request_id, new_ids, req.is_finished, req.finish_reason, req.error, logprobs, text
+            req.request_id,
+            new_ids,
+            req.is_finished,
+            req.finish_reason,
+            req.error,
+            logprobs,
+            text,
+            req.kept_blocks,
         )
 
     def _fail(self, request_id: str, message: str) -> RequestOutput:
@@ -238,4 +318,4 @@ class LLMEngine:
         cfg = model.cfg
         itemsize = torch.empty((), dtype=getattr(torch, self.config.dtype)).element_size()
         per_block = 2 * cfg.num_layers * self.config.block_size * cfg.kv_size * itemsize
-        return max(1, int(self.config.kv_cache_memory_gb * 2**30) // per_block)
+        return max(1, int(self.config.kv_cache_gb * 2**30) // per_block)

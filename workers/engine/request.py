@@ -98,6 +98,13 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at last admission
     num_preemptions: int = 0
     error: str | None = None
+    # End the request, as if max_tokens were reached, once it has this many output tokens
+    # (a prefill worker samples one token past what it was given, then hands the KV on).
+    stop_after: int | None = None
+    # On a natural end, hold the blocks of every computed token instead of freeing them: a
+    # prefill's KV stays readable until the worker that sends it calls `release_kv`.
+    keep_kv: bool = False
+    kept_blocks: list[int] | None = None
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a request needs at least one prompt token"

@@ -16,41 +16,12 @@ The scheduler is pure bookkeeping: it never touches tensors.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 from workers.engine.block_pool import BlockPool
+from workers.engine.config import SchedulerConfig
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.policy import make_policy
 from workers.engine.request import Request, RequestStatus
 from workers.engine.scheduler_output import SampledToken, ScheduledRequest, SchedulerOutput
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    prefill_chunk_size: int = 512  # most prompt tokens one request may compute per step
-    policy: str = "fcfs"
-    batching: str = "continuous"
-    max_model_len: int = 8192
-    watermark: float = 0.01  # share of blocks kept free at admission
-
-    def __post_init__(self) -> None:
-        for name in (
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "prefill_chunk_size",
-            "max_model_len",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)}: must be positive")
-        if self.batching not in ("continuous", "static"):
-            raise ValueError(f"batching={self.batching!r}: choose continuous or static")
-        make_policy(self.policy)
-        if not 0 <= self.watermark < 1:
-            raise ValueError(f"watermark={self.watermark}: must be in [0, 1)")
 
 
 class Scheduler:
@@ -65,8 +36,6 @@ class Scheduler:
         self.num_preemptions = 0  # lifetime count, for metrics and tests
         self.padding: list[Request] = []  # static batching: ended members still in the group
         self.reserved: set[str] = set()  # ids holding blocks for a KV transfer not yet admitted
-        # Called with (request, block ids) as a request ends, before its blocks are freed.
-        self.before_free: Callable[[Request, list[int]], None] | None = None
 
     # -- requests in and out --------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -89,9 +58,12 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        if self.before_free is not None:
-            self.before_free(req, self.kv.block_table(request_id))
         natural = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+        if req.keep_kv and natural:
+            # Every token but the one just sampled has its KV in the cache.
+            n = self.kv.blocks_needed(req.num_tokens - 1)
+            req.kept_blocks = list(self.kv.block_table(request_id)[:n])
+            self.pool.hold(req.kept_blocks)
         if self.config.batching == "static" and was_running and natural and self.running:
             self.padding.append(req)  # keeps its slot and blocks until the group ends
         else:
@@ -122,16 +94,25 @@ class Scheduler:
         self.kv.free_id(request_id)
         return True
 
+    def reserved_blocks(self, request_id: str) -> list[int] | None:
+        """The blocks a reservation holds, in order; None if there is no such reservation."""
+        if request_id not in self.reserved:
+            return None
+        return list(self.kv.block_table(request_id))
+
     def add_prefilled(self, req: Request) -> None:
-        """Admit a request whose prompt KV fills its reserved blocks and whose first output
-        token is already sampled: it joins the running batch at its next decode."""
+        """Admit a request whose KV (for every token but the last output token, just sampled)
+        fills its reserved blocks: it joins the running batch at its next decode."""
         if req.request_id not in self.reserved:
             raise ValueError(f"request {req.request_id!r} has no reserved blocks")
         assert req.output_token_ids, "a prefilled request carries its first token"
+        need = self.kv.blocks_needed(req.num_tokens - 1)
+        if need > len(self.kv.block_table(req.request_id)):
+            raise ValueError(f"request {req.request_id!r} reserved fewer than {need} blocks")
         self.reserved.discard(req.request_id)
         self.requests[req.request_id] = req
         self.policy.register(req)
-        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_computed_tokens = req.num_tokens - 1
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         self.kv.publish(req)
@@ -286,5 +267,7 @@ class Scheduler:
         if not sp.ignore_eos and token in req.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        if req.stop_after is not None and req.num_output_tokens >= req.stop_after:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -1,0 +1,65 @@
+"""The router's configuration: where it listens, how much it admits, how long it waits for
+each step of a request, and how it replays failed attempts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _h(text: str, **more) -> dict:
+    return {"help": text, **more}
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = field(default="127.0.0.1", metadata=_h("address the gRPC server binds"))
+    port: int = field(default=50051, metadata=_h("gRPC port (0 picks a free one)"))
+    auth_token: str | None = field(
+        default=None, metadata=_h("require 'authorization: Bearer <token>' on every call")
+    )
+    max_in_flight: int = field(default=256, metadata=_h("requests generating at once"))
+    max_queue: int = field(
+        default=1024, metadata=_h("requests waiting for a slot; past it: RESOURCE_EXHAUSTED")
+    )
+    reserve_timeout_s: float = field(
+        default=60.0, metadata=_h("how long a request waits for a decode worker with room")
+    )
+    prefill_timeout_s: float = field(default=300.0, metadata=_h("longest wait for a prefill"))
+    rpc_timeout_s: float = field(default=30.0, metadata=_h("longest wait for a worker call"))
+    status_interval_s: float = field(
+        default=0.5, metadata=_h("how often worker loads and liveness are refreshed")
+    )
+    stall_timeout_s: float = field(
+        default=120.0, metadata=_h("an attempt with no token for this long is given up")
+    )
+    replay: bool = field(
+        default=True, metadata=_h("replay a request whose worker failed on another worker")
+    )
+    max_retries: int = field(
+        default=3, metadata=_h("replays of one request before it ends with UNAVAILABLE")
+    )
+    replay_wait_s: float = field(
+        default=120.0, metadata=_h("how long a replay waits for a live worker (e.g. a replacement)")
+    )
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name}={getattr(self, name)!r}: {why}")
+
+        if not 0 <= self.port < 65536:
+            raise bad("port", "must be a TCP port (0 picks a free one)")
+        for name in ("max_in_flight", "max_queue"):
+            if getattr(self, name) < 0:
+                raise bad(name, "must be >= 0")
+        for name in (
+            "reserve_timeout_s",
+            "prefill_timeout_s",
+            "rpc_timeout_s",
+            "status_interval_s",
+            "stall_timeout_s",
+            "replay_wait_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise bad(name, "must be positive")
+        if self.max_retries < 0:
+            raise bad("max_retries", "must be >= 0")

@@ -1,0 +1,106 @@
+"""The cluster's control duties, which exactly one router performs at a time: the one holding
+the `controller` lease in the store. Every router, every `interval_s`:
+
+1. writes its heartbeat (its id and gRPC address, with a TTL);
+2. takes or renews the lease, or learns who holds it;
+3. as the controller: has the pool manager replace dead workers (pools heal), and adopts the
+   requests whose router's heartbeat lapsed (their drivers start here, watching first);
+   otherwise: picks up the workers the controller started.
+
+While the store is unreachable nobody can take the lease over, so the router that held it
+goes on as the controller; the others wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from router.driver import RequestDriver
+from router.stream import RequestStream
+
+if TYPE_CHECKING:
+    from router.core import Router
+
+log = logging.getLogger(__name__)
+LEASE = "controller"
+
+
+class Controller:
+    def __init__(
+        self, router: Router, address: str, interval_s: float = 1.0, ttl_s: float = 3.0
+    ) -> None:
+        self.router = router
+        self.address = address
+        self.interval_s, self.ttl_s = interval_s, ttl_s
+        self.leader = False
+        self.leader_address: str | None = None
+        self._heal: asyncio.Task | None = None
+
+    async def run_forever(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("controller round failed")
+            await asyncio.sleep(self.interval_s)
+
+    async def tick(self) -> None:
+        router, store = self.router, self.router.store
+        if store is None:  # a router without a store is alone: it controls its pools
+            self.leader = True
+        else:
+            try:
+                await asyncio.wait_for(
+                    store.heartbeat(router.id, self.address, self.ttl_s), self.ttl_s
+                )
+                was = self.leader
+                self.leader = await asyncio.wait_for(
+                    store.hold_lease(LEASE, router.id, self.ttl_s), self.ttl_s
+                )
+                if self.leader != was:
+                    log.warning(
+                        "router %s %s the controller lease",
+                        router.id,
+                        "holds" if self.leader else "lost",
+                    )
+                if not self.leader:
+                    holder = await store.lease_holder(LEASE)
+                    self.leader_address = (await store.live_routers()).get(holder or "")
+            except Exception as e:  # store away: keep the role we had
+                log.debug("controller: store unreachable (%s)", e)
+        if self.leader:
+            if self._heal is None or self._heal.done():
+                self._heal = asyncio.get_running_loop().create_task(router.directory.heal())
+            if store is not None and router.records.available:
+                await self.adopt_orphans()
+        else:
+            await router.directory.refresh()
+
+    async def adopt_orphans(self) -> None:
+        """Take over every running request whose router is gone."""
+        router, store = self.router, self.router.store
+        live = await store.live_routers()
+        for rid in await store.active():
+            if rid in router.drivers:
+                continue
+            rec = await store.get(rid)
+            if rec is None or rec.state.terminal or rec.owner in live:
+                continue
+            if not await store.claim(rid, rec.owner, router.id):
+                continue
+            log.warning(
+                "request %s: its router %s is gone; %s adopts it (attempt %d on %s)",
+                rid,
+                rec.owner or "?",
+                router.id,
+                rec.attempt,
+                rec.decode or "no worker",
+            )
+            spec = router.spec_of(rec)
+            stream = RequestStream.open(rid, router.tokenizer, spec.sampling.stop)
+            driver = RequestDriver(router, spec, stream)
+            driver.tenant = rec.tenant
+            router.drivers[rid] = driver
+            driver.start(adopted=True)

@@ -1,0 +1,337 @@
+"""One request, driven to its end across attempts.
+
+    attempt: reserve blocks on a decode worker -> prefill on a prefill worker (first token
+             streams out at once) -> follow the decode worker's events to the last one
+    failed?  clean up both workers -> replay: a new attempt re-prefills the prompt and every
+             token already sent, and continues after them
+
+An attempt fails when one of its workers dies (a failed call, or the pool manager's news), a
+transfer fails, or no token comes for `stall_timeout_s`. Only UNAVAILABLE failures are
+replayed, at most `max_retries` times; the request then ends with UNAVAILABLE naming every
+cause. The seed is fixed at admission and draws depend only on (seed, position), so a replay
+produces exactly the tokens the first attempt would have: the stream drops the overlap and
+goes on.
+
+An adopted request (its router died) is first watched: while its decode worker still runs it,
+its tokens land in the log and clients follow them there; if that worker is gone, it is
+replayed from the logged tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from router.directory import WorkerRef
+from router.store import RecordState
+from router.stream import RequestStream
+from workers.messages import Pool, PrefillJob, RequestSpec, Status, TokenEvent
+
+if TYPE_CHECKING:
+    from router.core import Router
+
+log = logging.getLogger(__name__)
+_HEAL_GRACE_S = 5.0  # how long to wait for a replacement before one is seen starting
+
+
+class AttemptFailed(Exception):
+    def __init__(self, status: Status, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    """News from the pool manager: this worker is gone."""
+
+    name: str
+
+
+class RequestDriver:
+    def __init__(self, router: Router, spec: RequestSpec, stream: RequestStream) -> None:
+        self.router = router
+        self.spec = spec  # attempt and output_ids are filled in per attempt
+        self.stream = stream
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.attempt = spec.attempt - 1  # attempts begun
+        self.prefill: str | None = None
+        self.decode: str | None = None
+        self.failures: list[str] = []
+        self.tenant = ""
+        self.replaying_since: float | None = None  # a failure was seen; no new token yet
+        self.task: asyncio.Task | None = None
+        self.watching = False  # adopted and not yet replayed: its tokens are in the log only
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    def start(self, adopted: bool = False) -> RequestDriver:
+        self.task = asyncio.get_running_loop().create_task(self.run(adopted))
+        return self
+
+    def deliver(self, item: TokenEvent | WorkerLost) -> None:
+        self.inbox.put_nowait(item)
+
+    # -- the attempts -----------------------------------------------------------------------
+    async def run(self, adopted: bool = False) -> None:
+        cfg = self.router.config
+        try:
+            if adopted:
+                self.watching = True
+                ended = await self._watch()
+                self.watching = False
+                if ended:
+                    return
+            while True:
+                self.attempt += 1
+                try:
+                    done = await self._attempt(self.attempt)
+                    self._end(Status.OK, done.finish_reason.value)
+                    return
+                except AttemptFailed as f:
+                    cause = f"attempt {self.attempt}: {f.reason}"
+                    self.failures.append(cause)
+                    await self._clean_up()
+                    retries = len(self.failures)
+                    if not (f.status.retryable and cfg.replay and retries <= cfg.max_retries):
+                        self._give_up(f, retries)
+                        return
+                    self._replay_starts(f.reason)
+        except asyncio.CancelledError:
+            await self._clean_up()
+            self._end(Status.OK, "cancelled")
+            raise
+        except Exception as e:  # a bug here must still end the stream and the record
+            log.exception("request %s: driver failed", self.request_id)
+            await self._clean_up()
+            self._end(Status.INTERNAL, "error", f"{type(e).__name__}: {e}")
+        finally:
+            self.router.forget(self)
+
+    def _give_up(self, f: AttemptFailed, retries: int) -> None:
+        if f.status is Status.CANCELLED:
+            self._end(Status.OK, "cancelled")
+        elif not f.status.retryable:
+            self._end(f.status, "error", f.reason)
+        else:
+            how = (
+                f"{retries} attempts" if self.router.config.replay else "a failure (replay is off)"
+            )
+            self._end(f.status, "error", f"gave up after {how}: " + "; ".join(self.failures))
+
+    def _replay_starts(self, cause: str) -> None:
+        self.replaying_since = time.monotonic()
+        self.router.stats.replays_started += 1
+        log.warning(
+            "request %s: replaying (attempt %d) after %s, from %d tokens",
+            self.request_id,
+            self.attempt + 1,
+            cause,
+            self.stream.next_offset,
+        )
+
+    def note_progress(self) -> None:
+        """A token arrived: if a replay was under way, it has recovered."""
+        if self.replaying_since is not None:
+            took = time.monotonic() - self.replaying_since
+            self.replaying_since = None
+            self.router.stats.recovered(took)
+            log.warning(
+                "request %s: replay recovered; next token %.2f s after the failure was seen",
+                self.request_id,
+                took,
+            )
+
+    async def _attempt(self, attempt: int) -> TokenEvent:
+        spec = replace(
+            self.spec,
+            attempt=attempt,
+            output_ids=tuple(self.stream.tokens),
+            router_id=self.router.id,
+        )
+        self.prefill = self.decode = None
+        if self.router.mode == "colocated":
+            d = await self._submit_colocated(spec)
+            await self._begin(attempt, "", d.name)
+            return await self._follow(attempt, landed=True)
+        d = await self._reserve(spec)
+        p = await self._pick(Pool.PREFILL)
+        self.prefill = p.name
+        await self._begin(attempt, p.name, d.name)
+        await self._prefill(p, PrefillJob(spec, d.endpoint))
+        return await self._follow(attempt, landed=False)
+
+    async def _begin(self, attempt: int, prefill: str, decode: str) -> None:
+        cause = self.failures[-1] if self.failures else ""
+        await self.router.record_attempt(self.request_id, attempt, prefill, decode, cause)
+
+    async def _reserve(self, spec: RequestSpec) -> WorkerRef:
+        """Decode allocates first: a decode worker with room for the KV."""
+        cfg = self.router.config
+        deadline = time.monotonic() + cfg.reserve_timeout_s
+        while True:
+            for w in await self._candidates(Pool.DECODE):
+                try:
+                    res = await self.router.call(
+                        w,
+                        w.handle.reserve.remote(
+                            spec.request_id,
+                            spec.attempt,
+                            spec.num_tokens,
+                            self.router.id,
+                            cfg.prefill_timeout_s + 2 * cfg.rpc_timeout_s,
+                        ),
+                    )
+                except AttemptFailed:
+                    continue  # that worker is gone or slow: try the next
+                if res is not None:
+                    self.decode = w.name
+                    self.router.reserved(w.name, res.num_blocks)
+                    return w
+            if time.monotonic() > deadline:
+                raise AttemptFailed(
+                    Status.RESOURCE_EXHAUSTED,
+                    f"no decode worker has room for this request ({spec.num_tokens} tokens) "
+                    f"after {cfg.reserve_timeout_s:.0f} s; retry later",
+                )
+            await asyncio.sleep(0.05)
+
+    async def _submit_colocated(self, spec: RequestSpec) -> WorkerRef:
+        for w in await self._candidates(Pool.DECODE):
+            try:
+                took = await self.router.call(w, w.handle.submit.remote(spec))
+            except AttemptFailed:
+                continue
+            if took:
+                self.decode = w.name
+                self.router.reserved(w.name, 0)
+                return w
+        raise AttemptFailed(Status.UNAVAILABLE, "no decode worker took the request")
+
+    async def _candidates(self, pool: Pool) -> list[WorkerRef]:
+        """Live, undrained workers of a pool, best first. With none, wait (a replacement is
+        normally starting within a few seconds) up to replay_wait_s."""
+        cfg = self.router.config
+        t0 = time.monotonic()
+        while True:
+            found = self.router.candidates(pool)
+            if found:
+                return found
+            waited = time.monotonic() - t0
+            starting = self.router.directory.starting(pool)
+            if waited > cfg.replay_wait_s or (waited > _HEAL_GRACE_S and not starting):
+                raise AttemptFailed(
+                    Status.UNAVAILABLE,
+                    f"no live {pool.value} worker after {waited:.0f} s; "
+                    "check `tandem status` and scale the pool",
+                )
+            await asyncio.sleep(0.1)
+
+    async def _pick(self, pool: Pool) -> WorkerRef:
+        candidates = await self._candidates(pool)
+        return self.router.pick_prefill(candidates, self.spec)
+
+    async def _prefill(self, p: WorkerRef, job: PrefillJob) -> None:
+        cfg = self.router.config
+        self.router.queue_prefill(p.name, job.spec.num_tokens)
+        try:
+            r = await self.router.call(
+                p, p.handle.prefill.remote(job, cfg.prefill_timeout_s), cfg.prefill_timeout_s + 10
+            )
+        finally:
+            self.router.queue_prefill(p.name, -job.spec.num_tokens)
+        if not r.ok:
+            raise AttemptFailed(
+                r.status, f"prefill on {p.name} failed: {r.error or r.status.value}"
+            )
+        lp = (r.logprob,) if job.spec.sampling.logprobs and r.logprob is not None else None
+        self._put(TokenEvent(r.request_id, r.attempt, len(job.spec.output_ids), (r.token_id,), lp))
+
+    async def _follow(self, attempt: int, landed: bool) -> TokenEvent:
+        """This attempt's events until its last one. Before the KV has landed (no event from
+        the decode worker yet), the prefill worker's death fails the attempt too."""
+        stall = self.router.config.stall_timeout_s
+        while True:
+            try:
+                item = await asyncio.wait_for(self.inbox.get(), stall)
+            except TimeoutError:
+                raise AttemptFailed(
+                    Status.UNAVAILABLE, f"no tokens from {self.decode} for {stall:.0f} s"
+                ) from None
+            if isinstance(item, WorkerLost):
+                if item.name == self.decode or (item.name == self.prefill and not landed):
+                    phase = "" if landed else " before the KV landed"
+                    raise AttemptFailed(Status.UNAVAILABLE, f"{item.name} died{phase}")
+                continue
+            if item.attempt != attempt:
+                continue  # left over from an attempt that was given up
+            if item.status is not Status.OK:
+                raise AttemptFailed(item.status, item.error or item.status.value)
+            landed = True
+            self._put(item)
+            if item.finished:
+                return item
+
+    def _put(self, event: TokenEvent) -> None:
+        before = self.stream.next_offset
+        self.stream.put(event)
+        if self.stream.next_offset > before:
+            self.note_progress()
+
+    async def _clean_up(self) -> None:
+        """Whatever this attempt still holds on its workers is freed."""
+        names = [n for n in (self.prefill, self.decode) if n]
+        await self.router.cancel_on(names, self.request_id)
+
+    def _end(self, status: Status, reason: str, error: str = "") -> None:
+        """The request's end: its stream's last chunk and its record's terminal state. A
+        cancel is a normal end (finish_reason "cancelled"); any other non-OK status fails."""
+        if reason == "cancelled":
+            state, status = RecordState.CANCELLED, Status.OK
+        elif status is Status.OK:
+            state = RecordState.FINISHED
+        else:
+            state = RecordState.FAILED
+            log.warning("request %s failed (%s): %s", self.request_id, status.value, error)
+        self.stream.end(status, reason, error)
+        self.router.record_end(self, state, reason, error)
+
+    # -- adopted requests -----------------------------------------------------------------
+    async def _watch(self) -> bool:
+        """An adopted request: True once it ended where it ran; False if it must be replayed
+        (its decode worker is gone or no longer runs it)."""
+        router = self.router
+        while True:
+            rec = await router.read_record(self.request_id)
+            if rec is None or rec.state.terminal:
+                self.stream.end(Status.OK, rec.finish_reason if rec else "error")
+                return True
+            w = router.directory.get(rec.decode) if rec.decode else None
+            held = False
+            if w is not None and w.alive:
+                try:
+                    held = await router.call(w, w.handle.holds.remote(self.request_id, rec.attempt))
+                except AttemptFailed:
+                    held = False
+            if not held:
+                tokens = await router.read_tokens(self.request_id)
+                self.stream = RequestStream.open(
+                    self.request_id, router.tokenizer, self.spec.sampling.stop, tokens
+                )
+                self.attempt = rec.attempt
+                self.decode = rec.decode
+                self.failures = list(rec.failures)
+                cause = f"{rec.decode or 'its worker'} no longer runs it (its router is gone)"
+                self.failures.append(f"attempt {rec.attempt}: {cause}")
+                self._replay_starts(cause)
+                return False
+            try:
+                item = await asyncio.wait_for(self.inbox.get(), 1.0)
+            except TimeoutError:
+                continue
+            if isinstance(item, WorkerLost) and item.name == rec.decode:
+                continue  # the next turn finds it gone and replays

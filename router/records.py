@@ -1,0 +1,158 @@
+"""The router's side of the request store, kept off the event loop's critical path:
+
+- `create` must reach the store: while it is unreachable, new requests get UNAVAILABLE with a
+  message that says so;
+- every other write (an attempt begins, a request ends) is tried at once and, if the store is
+  unreachable, kept and retried in order until it returns, while streams go on;
+- the store's identity is watched: when it comes back as a new process (a restart that may
+  have lost its last second of writes), every request this router drives, and every one it
+  ended in the last minute, is written back whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+
+from router.errors import RouterError
+from router.store import RecordState, RequestRecord, RequestStore
+from workers.messages import Status
+
+log = logging.getLogger(__name__)
+_KEEP_ENDED_S = 60.0
+
+
+@dataclass(frozen=True)
+class _Ended:
+    record: RequestRecord
+    tokens: tuple[int, ...]
+    at: float
+
+
+class Records:
+    def __init__(self, store: RequestStore | None, timeout_s: float = 5.0) -> None:
+        self.store = store
+        self.timeout_s = timeout_s
+        self.down_since: float | None = None
+        self.identity: str | None = None
+        self._backlog: deque[tuple[str, Callable[[], Awaitable]]] = deque()
+        self._ended: deque[_Ended] = deque()
+        self.snapshots: Callable[[], list[tuple[RequestRecord, list[int]]]] = lambda: []
+
+    @property
+    def available(self) -> bool:
+        return self.store is not None and self.down_since is None
+
+    def _unreachable(self, e: Exception) -> RouterError:
+        return RouterError(
+            Status.UNAVAILABLE,
+            f"the request store (Redis at {self.store.where}) is unreachable "
+            f"({type(e).__name__}: {e}); new requests are refused until it returns",
+        )
+
+    async def _call(self, coro: Awaitable):
+        return await asyncio.wait_for(coro, self.timeout_s)
+
+    async def create(self, rec: RequestRecord) -> None:
+        if self.store is None:
+            return
+        if self.down_since is not None:
+            raise self._unreachable(ConnectionError("not answering"))
+        try:
+            created = await self._call(self.store.create(rec))
+        except Exception as e:
+            self._went_down(e)
+            raise self._unreachable(e) from None
+        if not created:
+            raise RouterError(Status.ALREADY_EXISTS, f"request id {rec.request_id} was used before")
+
+    async def write(self, what: str, make: Callable[[], Awaitable]) -> None:
+        """Best effort now; kept and retried in order while the store is away."""
+        if self.store is None:
+            return
+        if self.down_since is None and not self._backlog:
+            try:
+                await self._call(make())
+                return
+            except Exception as e:
+                self._went_down(e)
+        self._backlog.append((what, make))
+
+    def ended(self, rec: RequestRecord, tokens: list[int]) -> None:
+        """Remember a request's end for a while, to write it back if the store restarts."""
+        now = time.monotonic()
+        self._ended.append(_Ended(rec, tuple(tokens), now))
+        while self._ended and now - self._ended[0].at > _KEEP_ENDED_S:
+            self._ended.popleft()
+
+    async def read(self, make: Callable[[], Awaitable]):
+        if self.store is None:
+            raise RouterError(Status.UNAVAILABLE, "this router runs without a request store")
+        try:
+            return await self._call(make())
+        except Exception as e:
+            self._went_down(e)
+            raise self._unreachable(e) from None
+
+    def _went_down(self, e: Exception) -> None:
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+            log.warning(
+                "request store %s unreachable (%s: %s); writes are kept until it returns",
+                self.store.where,
+                type(e).__name__,
+                e,
+            )
+
+    async def watch_forever(self, interval_s: float = 0.5) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.check()
+            except Exception:  # keep watching whatever happened
+                log.exception("request store check failed")
+
+    async def check(self) -> None:
+        if self.store is None:
+            return
+        try:
+            identity = await self._call(self.store.ping())
+        except Exception as e:
+            self._went_down(e)
+            return
+        restarted = self.identity is not None and identity != self.identity
+        self.identity = identity
+        if self.down_since is not None:
+            log.warning(
+                "request store %s is back after %.1f s%s; writing %d kept writes",
+                self.store.where,
+                time.monotonic() - self.down_since,
+                " (restarted)" if restarted else "",
+                len(self._backlog),
+            )
+            self.down_since = None
+        if restarted:
+            await self._restore()
+        while self._backlog:
+            what, make = self._backlog[0]
+            try:
+                await self._call(make())
+            except Exception as e:
+                self._went_down(e)
+                return
+            self._backlog.popleft()
+
+    async def _restore(self) -> None:
+        """Write back what a restarted store may have lost: writes are idempotent."""
+        live = self.snapshots()
+        for rec, tokens in live:
+            await self._call(self.store.restore(rec, tokens))
+        for e in list(self._ended):
+            running = replace(e.record, state=RecordState.RUNNING)
+            await self._call(self.store.restore(running, []))
+            await self._call(self.store.end(e.record, list(e.tokens)))
+        log.warning("restored %d running and %d ended request records", len(live), len(self._ended))

@@ -1,0 +1,159 @@
+"""The Redis request store against a real redis-server: offset-checked token writes (gaps,
+repeats, fenced attempts, lost records), terminal records, ownership and leases, restarts
+of the embedded server from its AOF, and Redis URLs with a password."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import redis
+
+from cluster.redis_server import EmbeddedRedis, free_port
+from cluster.state import RedisStore, RedisTokenLog, key, redact
+from router.store import BeginResult, RecordState, RequestRecord
+from workers.engine.request import FinishReason, SamplingParams
+from workers.messages import LogResult, LogWrite, Status
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    r = EmbeddedRedis(tmp_path_factory.mktemp("redis")).start()
+    yield r
+    r.stop()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def record(rid, owner="router-a"):
+    sp = SamplingParams(max_tokens=8, temperature=0.7, seed=11, stop=("\n",))
+    return RequestRecord(rid, (1, 2, 3), sp, priority=2, tenant="t", owner=owner)
+
+
+async def with_store(url, fn):
+    store = RedisStore(url, ttl_s=60)
+    try:
+        return await fn(store)
+    finally:
+        await store.close()
+
+
+def test_token_writes_skip_repeats_report_gaps_and_fence_old_attempts(server):
+    log = RedisTokenLog(server.url, ttl_s=60)
+
+    async def go(store):
+        assert await store.create(record("a"))
+        assert not await store.create(record("a"))  # an id is never reused
+        assert await store.begin_attempt("a", 1, "router-a", "p0", "d0", "") is BeginResult.OK
+        w = [LogWrite("a", 1, 0, (5, 6, 7))]
+        assert log.write(w)[0].result is LogResult.OK
+        again = log.write([LogWrite("a", 1, 1, (6, 7, 8))])[0]  # overlaps: only 8 is new
+        assert (again.result, again.length) == (LogResult.OK, 4)
+        gap = log.write([LogWrite("a", 1, 9, (1,))])[0]
+        assert (gap.result, gap.length) == (LogResult.GAP, 4)
+        assert await store.tokens("a") == [5, 6, 7, 8]
+        # Attempt 2 begins (a replay): attempt 1's writes are refused from now on.
+        cause = "attempt 1: d0 died"
+        assert await store.begin_attempt("a", 2, "router-a", "p0", "d1", cause) is BeginResult.OK
+        assert await store.begin_attempt("a", 2, "router-a", "p0", "d1", "") is BeginResult.STALE
+        assert log.write([LogWrite("a", 1, 4, (9,))])[0].result is LogResult.FENCED
+        done = log.write([LogWrite("a", 2, 4, (9, 10), FinishReason.LENGTH)])[0]
+        assert done.result is LogResult.OK
+        rec = await store.get("a")
+        assert rec.state is RecordState.FINISHED and rec.finish_reason == "length"
+        assert rec.attempt == 2 and rec.decode == "d1" and rec.failures == (cause,)
+        assert rec.sampling == record("a").sampling and rec.prompt_ids == (1, 2, 3)
+        assert await store.tokens("a") == [5, 6, 7, 8, 9, 10]
+        assert "a" not in await store.active()
+        assert 0 < await store.r.ttl(key("a")) <= 60
+        assert log.write([LogWrite("nope", 1, 0, (1,))])[0].result is LogResult.MISSING
+        return True
+
+    assert run(with_store(server.url, go))
+
+
+def test_ownership_leases_and_a_router_end(server):
+    async def go(store):
+        await store.create(record("b"))
+        assert await store.begin_attempt("b", 1, "router-b", "", "d0", "") is BeginResult.NOT_OWNER
+        assert not await store.claim("b", "someone-else", "router-c")
+        assert await store.claim("b", "router-a", "router-c")
+        assert (await store.get("b")).owner == "router-c"
+        assert await store.hold_lease("ctl", "router-c", 1.0)
+        assert not await store.hold_lease("ctl", "router-d", 1.0)
+        assert await store.hold_lease("ctl", "router-c", 1.0)  # renewed
+        await store.heartbeat("router-c", "127.0.0.1:1", 1.0)
+        assert (await store.live_routers())["router-c"] == "127.0.0.1:1"
+        await asyncio.sleep(1.2)
+        assert "router-c" not in await store.live_routers()
+        assert await store.hold_lease("ctl", "router-d", 1.0)  # lapsed: another takes it
+        # A router ends a request it never began an attempt of (the store lost it): the end
+        # carries the whole token log, and the record is terminal.
+        failed = RequestRecord(
+            **{**record("b").__dict__, "attempt": 3, "state": RecordState.FAILED},
+        )
+        failed = failed.__class__(
+            **{**failed.__dict__, "status": Status.UNAVAILABLE, "error": "gave up"}
+        )
+        await store.end(failed, [4, 4, 4])
+        rec = await store.get("b")
+        assert rec.state is RecordState.FAILED and rec.status is Status.UNAVAILABLE
+        assert rec.attempt == 3 and await store.tokens("b") == [4, 4, 4]
+        return True
+
+    assert run(with_store(server.url, go))
+
+
+def test_the_embedded_server_restarts_from_its_aof(server):
+    async def write(store):
+        await store.create(record("c"))
+        await store.begin_attempt("c", 1, "router-a", "p0", "d0", "")
+        return True
+
+    run(with_store(server.url, write))
+    time.sleep(1.5)  # appendfsync everysec: what is a second old is on disk
+    old_pid = server.pid
+    os.kill(old_pid, signal.SIGKILL)
+    client = redis.Redis.from_url(server.url, socket_timeout=1)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if client.ping():
+                break
+        except redis.RedisError:
+            time.sleep(0.1)
+    assert server.pid != old_pid and server.restarts >= 1
+    rec = run(with_store(server.url, lambda s: s.get("c")))
+    assert rec is not None and rec.attempt == 1 and rec.state is RecordState.RUNNING
+
+
+def test_a_password_protected_redis_and_its_url(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--requirepass", "s3cret", "--save", ""],
+        stdout=subprocess.DEVNULL,
+        cwd=tmp_path,
+    )
+    try:
+        url = f"redis://:s3cret@127.0.0.1:{port}/0"
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis.from_url(url).ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert redact(url) == f"redis://:***@127.0.0.1:{port}/0"
+        assert run(with_store(url, lambda s: s.create(record("p"))))
+        with pytest.raises(redis.AuthenticationError):
+            run(with_store(f"redis://127.0.0.1:{port}/0", lambda s: s.create(record("q"))))
+    finally:
+        proc.kill()
+        proc.wait()

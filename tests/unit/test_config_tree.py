@@ -1,0 +1,151 @@
+"""The config tree: every field can be set from the file and from a flag, both generated
+from the dataclasses, and every error names the field by its path."""
+
+import argparse
+import dataclasses
+
+import pytest
+
+from cluster import config_io
+from cluster.cli import build_parser
+from cluster.config import FLAT, ClusterConfig, load_config
+from workers.engine.config import EngineConfig
+
+
+def other_value(leaf: config_io.Leaf):
+    """A valid value for the field that differs from its default."""
+    meta, default = leaf.field.metadata, config_io._default(leaf.field)
+    if "choices" in meta:
+        return next(c for c in meta["choices"] if c != default)
+    special = {
+        "engine.device": "cuda:1",
+        "engine.model": "/models/llama",
+        "engine.block_size": 32,
+        "engine.max_model_len": 1024,
+        "redis.url": "rediss://:s3cret@redis.example:6380/2",
+        "router.port": 6000,
+    }
+    if leaf.name in special:
+        return special[leaf.name]
+    base = leaf.base
+    if base is bool:
+        return not default
+    if base is int:
+        return (default or 1) + 3
+    if base is float:
+        return (default or 1.0) + 0.5
+    if base is dict:
+        return {"custom": 2.0}
+    return "x"
+
+
+def flag_text(value) -> str:
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items())
+    return str(value)
+
+
+def get(cfg, path):
+    for p in path:
+        cfg = getattr(cfg, p)
+    return cfg
+
+
+def leaf_cases():
+    return [pytest.param(leaf, id=leaf.name) for leaf in config_io.leaves(ClusterConfig)]
+
+
+def nest(path, value):
+    out = value
+    for p in reversed(path):
+        out = {p: out}
+    return out
+
+
+def valid(leaf, value) -> dict:
+    """The overrides for one field, plus what makes them valid together (fp16 needs CUDA)."""
+    values = nest(leaf.path, value)
+    if leaf.name == "engine.dtype" and value == "float16":
+        values = config_io.merge(values, {"engine": {"device": "cuda"}})
+    return values
+
+
+@pytest.mark.parametrize("leaf", leaf_cases())
+def test_every_field_can_be_set_from_the_file(leaf, tmp_path):
+    import yaml
+
+    value = other_value(leaf)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(valid(leaf, value)))
+    assert get(load_config(str(path)), leaf.path) == value
+
+
+@pytest.mark.parametrize("leaf", leaf_cases())
+def test_every_field_can_be_set_from_a_flag(leaf):
+    value = other_value(leaf)
+    parser = argparse.ArgumentParser()
+    config_io.add_flags(parser, ClusterConfig, FLAT)
+    [flag, *_] = config_io.flag_names(leaf, FLAT)
+    if leaf.base is bool:
+        argv = [flag if value else "--no-" + flag[2:]]
+    else:
+        argv = [flag, flag_text(value)]
+    if leaf.name == "engine.dtype" and value == "float16":
+        argv += ["--device", "cuda"]
+    cfg = load_config(None, parser.parse_args(argv))
+    assert get(cfg, leaf.path) == value
+
+
+def test_flags_are_unique_and_tandem_up_has_them_all():
+    names = [
+        n for leaf in config_io.leaves(ClusterConfig) for n in config_io.flag_names(leaf, FLAT)
+    ]
+    assert len(names) == len(set(names))
+    up_help = build_parser()._subparsers._group_actions[0].choices["up"].format_help()
+    for n in names:
+        assert n in up_help, n
+
+
+def test_file_then_flags_and_errors_name_the_field(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('mode = "colocated"\n[engine]\nblock_size = 32\n[decode]\nreplicas = 2\n')
+    args = build_parser().parse_args(["up", "--block-size", "8", "--decode", "3"])
+    cfg = load_config(str(f), args)
+    assert (cfg.mode, cfg.engine.block_size, cfg.decode.replicas) == ("colocated", 8, 3)
+    bad = [
+        ({"engine": {"block_size": 3}}, "engine: block_size=3: must be a positive power of two"),
+        ({"engine": {"blok_size": 16}}, "unknown config field(s) engine.blok_size"),
+        ({"engine": {"block_size": "big"}}, "engine.block_size='big': expected int"),
+        ({"router": {"max_retries": -1}}, "router: max_retries=-1: must be >= 0"),
+        ({"prefill": {"replicas": 0}}, "prefill.replicas: a disaggregated cluster needs"),
+        ({"redis": {"url": "http://x"}}, "redis: url='http://x'"),
+        ({"dashboard": "maybe"}, "dashboard='maybe': expected true or false"),
+        ({"engine": 5}, "engine must be a mapping"),
+    ]
+    for values, message in bad:
+        with pytest.raises(config_io.ConfigError) as e:
+            config_io.build(ClusterConfig, values, "c.yaml")
+        assert message in str(e.value), (values, str(e.value))
+
+
+def test_the_scheduler_config_derives_from_the_engines():
+    e = EngineConfig(max_num_seqs=7, prefill_chunk_size=64, policy="priority")
+    s = e.scheduler(max_model_len=300)
+    fields = {f.name for f in dataclasses.fields(s)} - {"max_model_len", "watermark"}
+    assert all(getattr(s, f) == getattr(e, f) for f in fields)
+    assert s.max_model_len == 300
+    with pytest.raises(ValueError, match="max_num_batched_tokens=0"):
+        EngineConfig(max_num_batched_tokens=0)
+
+
+def test_generate_offline_takes_every_engine_field_as_a_flag():
+    from cluster.cli import engine_config
+
+    args = build_parser().parse_args(
+        ["generate", "--offline", "--no-enable-prefix-caching", "--kv-cache-gb", "0.5", "hi"]
+    )
+    cfg = engine_config(args)
+    assert cfg.enable_prefix_caching is False and cfg.kv_cache_gb == 0.5
+    gen_help = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
+    for leaf in config_io.leaves(EngineConfig):
+        assert config_io.flag_names(leaf, frozenset())[0] in gen_help, leaf.name

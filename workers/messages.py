@@ -1,0 +1,256 @@
+"""Every message that crosses a process or package boundary inside the cluster: router ->
+prefill and decode workers, prefill -> decode, workers -> router, and into the Redis log.
+
+They are frozen dataclasses of plain values (plus one Ray actor handle), so Ray pickles them
+as they are and a reader sees every field with its type. Protobuf never travels past the
+router's edge; these never leave the cluster. This module imports neither torch nor Ray, so
+clients and the CLI can load it cheaply.
+
+A request's life in these types:
+
+    router --PrefillJob--> prefill worker --KVAdmission (+ the KV)--> decode worker
+    router <--PrefillResult-- prefill worker       router <--TokenEvent-- decode worker
+    decode worker --LogWrite--> TokenLog (Redis) --LogAck--> decode worker
+
+`attempt` numbers a request's tries (1 for the first, +1 for each replay). Every message of
+an attempt carries it, so whatever a superseded attempt still sends is told apart and dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from workers.engine.request import FinishReason, SamplingParams
+
+
+class Status(enum.Enum):
+    """How a request, an attempt or a call ended, by gRPC status name. UNAVAILABLE is the one
+    transient failure: the attempt may be retried elsewhere. Every other non-OK status ends
+    the request."""
+
+    OK = "OK"
+    CANCELLED = "CANCELLED"
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    NOT_FOUND = "NOT_FOUND"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    UNAVAILABLE = "UNAVAILABLE"
+    INTERNAL = "INTERNAL"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+
+    @property
+    def retryable(self) -> bool:
+        return self is Status.UNAVAILABLE
+
+
+class Pool(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+def sampling_to_dict(sp: SamplingParams) -> dict:
+    """JSON-ready: for the request record in Redis."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(sp).items()}
+
+
+def sampling_from_dict(d: dict) -> SamplingParams:
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    return SamplingParams(
+        **{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names}
+    )
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    """A pool as its manager sees it: the size it should have and where it stands."""
+
+    pool: Pool
+    target: int
+    live: int
+    starting: int = 0  # workers being started (a scale-up or a replacement)
+    restarts: int = 0  # dead workers replaced since the cluster started
+
+
+@dataclass(frozen=True)
+class DecodeEndpoint:
+    """Where a prefill worker sends a request's KV: the decode worker's rendezvous store
+    (host, port) and its actor handle, for the handshake and the receive call."""
+
+    name: str
+    host: str
+    port: int
+    handle: Any = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker reports once it has started."""
+
+    name: str
+    pool: Pool
+    pid: int
+    node: str
+    endpoint: DecodeEndpoint | None = None  # decode workers only
+    # A TCP port (on `host`) the worker's process accepts on while it lives: a refused
+    # connection means the process is gone, seen faster than Ray reports an actor's death.
+    host: str = ""
+    liveness_port: int = 0
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request as every worker sees it. `output_ids` are tokens already sent to the client
+    (a replay continues after them); `sampling.seed` is always resolved, so that draws depend
+    only on (seed, position) and a replay samples exactly what the first attempt would have."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    attempt: int = 1
+    output_ids: tuple[int, ...] = ()
+    priority: int = 0
+    router_id: str = ""  # the router that follows this attempt's events
+
+    def __post_init__(self) -> None:
+        assert self.sampling.seed is not None, "resolve the seed before a request leaves"
+        assert self.prompt_ids, "a request needs a prompt"
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose KV a prefill computes: the prompt and what was already sent."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    spec: RequestSpec
+    decode: DecodeEndpoint  # where the KV goes
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """The first token sampled after `spec.output_ids` (output index len(output_ids)), or why
+    there is none."""
+
+    request_id: str
+    attempt: int
+    status: Status = Status.OK
+    token_id: int | None = None
+    logprob: float | None = None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Blocks a decode worker holds for a prompt's KV before any prefill starts."""
+
+    request_id: str
+    attempt: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class KVAdmission:
+    """Sent by the prefill worker with the KV: what the decode worker needs to admit the
+    request. The first new token travels in the transfer's header."""
+
+    spec: RequestSpec
+    first_logprob: float | None = None
+
+
+@dataclass(frozen=True)
+class PushResult:
+    request_id: str
+    ok: bool
+    seconds: float = 0.0
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """New output tokens of one attempt, in order: `token_ids[0]` is output index `offset`.
+    The last event of an attempt has `finish_reason`; a failed attempt ends with status !=
+    OK and `error` saying what failed (UNAVAILABLE: the router may replay it)."""
+
+    request_id: str
+    attempt: int
+    offset: int
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] | None = None
+    finish_reason: FinishReason | None = None
+    status: Status = Status.OK
+    error: str = ""
+    text: str | None = None  # the text so far, cut at a stop string (stop requests only)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.status is not Status.OK
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    name: str
+    pool: Pool
+    pid: int = 0
+    node: str = ""
+    alive: bool = True
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    running: int = 0
+    waiting: int = 0
+    reserved: int = 0  # decode: reservations whose KV has not landed yet
+    queued_prefill_tokens: int = 0  # prefill: prompt tokens accepted and not yet computed
+    draining: bool = False
+    steps: int = 0
+    preemptions: int = 0
+    prefix_hit_blocks: int = 0
+    stalled_s: float = 0.0  # how long the engine step now running has taken
+
+    @property
+    def idle(self) -> bool:
+        return self.running == 0 and self.waiting == 0 and self.reserved == 0
+
+
+# -- the token log, as the decode worker sees it (Redis behind it; see cluster/state.py) -------
+class LogResult(enum.Enum):
+    OK = "ok"
+    GAP = "gap"  # the log is shorter than `offset`: write again from LogAck.length
+    FENCED = "fenced"  # a newer attempt owns the request: stop writing it
+    MISSING = "missing"  # no record (the store lost it): keep the tokens, try again later
+
+
+@dataclass(frozen=True)
+class LogWrite:
+    """Append `token_ids` at output index `offset` (tokens already there are skipped), and
+    with `finish_reason`, mark the request finished."""
+
+    request_id: str
+    attempt: int
+    offset: int
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class LogAck:
+    request_id: str
+    result: LogResult
+    length: int = 0  # the log's length after the write
+
+
+class TokenLog(Protocol):
+    """Where a decode worker records each step's tokens: one call per step for all its
+    requests. Raises ConnectionError (or the store's own error) when the store is unreachable;
+    the caller keeps the writes and tries again."""
+
+    def write(self, writes: list[LogWrite]) -> list[LogAck]: ...
