@@ -41,12 +41,33 @@ def init_ray(cfg: ClusterConfig, progress) -> bool:
     env = {"env_vars": {"TANDEM_CPU_KERNELS": os.environ.get("TANDEM_CPU_KERNELS", "1")}}
     if cfg.ray_address:
         progress(f"joining Ray at {cfg.ray_address}")
+        _use_ray_token(cfg.ray_address)
         ray.init(address=cfg.ray_address, namespace=NAMESPACE, log_to_driver=True, runtime_env=env)
         return False
     cpus = cfg.ray_num_cpus or max(2, int(cfg.workers_cpus + 0.999))
     progress(f"starting Ray with {cpus} logical CPUs")
     ray.init(num_cpus=cpus, include_dashboard=cfg.dashboard, namespace=NAMESPACE, runtime_env=env)
     return True
+
+
+def _use_ray_token(address: str) -> None:
+    """Ray turns token auth on for `address="auto"` when a token exists, but not for an
+    explicit address, which its clusters then refuse (InvalidAuthToken). Do the same for both:
+    with RAY_AUTH_MODE unset and a token at hand (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
+    ~/.ray/auth_token), send it. A cluster without auth accepts it too."""
+    if address == "auto" or "RAY_AUTH_MODE" in os.environ:
+        return
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    if not (os.environ.get("RAY_AUTH_TOKEN") or Path(path).is_file()):
+        return
+    try:  # what Ray runs for "auto": sets the mode and refreshes its cached config
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    except ImportError:  # another Ray version: the environment alone (read at ray.init)
+        os.environ["RAY_AUTH_MODE"] = "token"
 
 
 class Cluster:
@@ -91,7 +112,8 @@ class Cluster:
         self.pools = PoolManager(
             {p: self._pool_spec(p) for p in cfg.pools},
             self.store.token_log(),
-            transfer_host=_transfer_host(cfg.router.host),
+            # One machine: loopback. Joined to a Ray cluster: each worker's own node address.
+            transfer_host=None if cfg.ray_address else _transfer_host(cfg.router.host),
             transfer_timeout_s=cfg.transfer_timeout_s,
         )
         if self.join:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -249,7 +250,10 @@ class RedisStore:
         await self._raise(keys=[key(rid)], args=[rec.attempt])
         w = LogWrite(rid, rec.attempt, 0, tuple(tokens))
         args = (rec.state.value, rec.finish_reason, rec.error, rec.status.value)
-        await self._append(*_append_args(w, self.ttl_s, *args))
+        result, _ = await self._append(*_append_args(w, self.ttl_s, *args))
+        if result == "missing":  # the store lost the record (a restart): end it whole anyway
+            await self.restore(replace(rec, state=RecordState.RUNNING), [])
+            await self._append(*_append_args(w, self.ttl_s, *args))
 
     async def get(self, rid: str) -> RequestRecord | None:
         async with self.r.pipeline(transaction=False) as p:

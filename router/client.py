@@ -86,6 +86,9 @@ class TandemClient:
     def gen(self) -> pb_grpc.GenerationStub:
         return pb_grpc.GenerationStub(self.channels[self.current])
 
+    def _gen(self, index: int) -> pb_grpc.GenerationStub:
+        return pb_grpc.GenerationStub(self.channels[index % len(self.channels)])
+
     @property
     def admin(self) -> pb_grpc.AdminStub:
         return pb_grpc.AdminStub(self.channels[self.current])
@@ -112,17 +115,18 @@ class TandemClient:
         t0 = time.perf_counter()
         deadline = None if timeout_s is None else t0 + timeout_s
         tries = max_resumes if max_resumes is not None else 2 * len(self.channels) + 2
-        resume = False
+        resume, at = False, self.current
         while True:
             left = None if deadline is None else max(0.001, deadline - time.perf_counter())
+            gen = self._gen(at)
             if resume:
-                call = self.gen.Resume(
+                call = gen.Resume(
                     pb.ResumeRequest(request_id=rid, offset=len(res.token_ids)),
                     timeout=left,
                     metadata=self.metadata,
                 )
             else:
-                call = self.gen.Generate(msg, timeout=left, metadata=self.metadata)
+                call = gen.Generate(msg, timeout=left, metadata=self.metadata)
             try:
                 async for r in call:
                     self._take(res, r, t0, on_chunk)
@@ -137,7 +141,8 @@ class TandemClient:
                     break
                 tries -= 1
                 res.resumes += 1
-                self.current = (self.current + 1) % len(self.channels)
+                at = (at + 1) % len(self.channels)
+                self.current = at  # later calls start where this one goes on
                 resume = True
                 await asyncio.sleep(0.2)
         res.e2e_s = time.perf_counter() - t0

@@ -92,6 +92,7 @@ class Router:
             loop.create_task(self._refresh_forever()),
             loop.create_task(self._probe_forever()),
             loop.create_task(self.records.watch_forever()),
+            loop.create_task(self.records.write_forever()),
         ]
 
     def add_task(self, coro) -> None:
@@ -249,11 +250,9 @@ class Router:
             except TimeoutError:
                 log.warning("request %s: cancel on %s timed out", request_id, names)
 
-    async def record_attempt(
-        self, rid: str, attempt: int, prefill: str, decode: str, cause: str
-    ) -> None:
+    def record_attempt(self, rid: str, attempt: int, prefill: str, decode: str, cause: str) -> None:
         store = self.store
-        await self.records.write(
+        self.records.write(
             f"{rid} attempt {attempt}",
             lambda: store.begin_attempt(rid, attempt, self.id, prefill, decode, cause),
         )
@@ -263,10 +262,7 @@ class Router:
         tokens = list(d.stream.tokens)
         self.records.ended(rec, tokens)
         store = self.store
-        if store is not None:
-            asyncio.get_running_loop().create_task(
-                self.records.write(f"{d.request_id} end", lambda: store.end(rec, tokens))
-            )
+        self.records.write(f"{d.request_id} end", lambda: store.end(rec, tokens))
 
     async def read_record(self, rid: str) -> RequestRecord | None:
         return await self.records.read(lambda: self.store.get(rid))
@@ -355,6 +351,7 @@ class Router:
                     Status.UNAVAILABLE,
                     f"no live {pool.value} worker and none starting; check `tandem status` "
                     "and scale the empty pool",
+                    final=False,
                 )
 
     async def cancel(self, request_id: str) -> bool:
@@ -371,7 +368,7 @@ class Router:
         await self.cancel_on([n for n in (rec.prefill, rec.decode) if n], request_id)
         ended = replace(rec, state=RecordState.CANCELLED, finish_reason="cancelled")
         tokens = await self.read_tokens(request_id)
-        await self.records.write(f"{request_id} cancel", lambda: self.store.end(ended, tokens))
+        self.records.write(f"{request_id} cancel", lambda: self.store.end(ended, tokens))
         return True
 
     async def resume(self, request_id: str, offset: int) -> AsyncIterator[Chunk]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from router.directory import WorkerRef
+from router.errors import RouterError
 from router.store import RecordState
 from router.stream import RequestStream
 from workers.messages import Pool, PrefillJob, RequestSpec, Status, TokenEvent
@@ -156,18 +157,18 @@ class RequestDriver:
         self.prefill = self.decode = None
         if self.router.mode == "colocated":
             d = await self._submit_colocated(spec)
-            await self._begin(attempt, "", d.name)
+            self._begin(attempt, "", d.name)
             return await self._follow(attempt, landed=True)
         d = await self._reserve(spec)
         p = await self._pick(Pool.PREFILL)
         self.prefill = p.name
-        await self._begin(attempt, p.name, d.name)
+        self._begin(attempt, p.name, d.name)
         await self._prefill(p, PrefillJob(spec, d.endpoint))
         return await self._follow(attempt, landed=False)
 
-    async def _begin(self, attempt: int, prefill: str, decode: str) -> None:
+    def _begin(self, attempt: int, prefill: str, decode: str) -> None:
         cause = self.failures[-1] if self.failures else ""
-        await self.router.record_attempt(self.request_id, attempt, prefill, decode, cause)
+        self.router.record_attempt(self.request_id, attempt, prefill, decode, cause)
 
     async def _reserve(self, spec: RequestSpec) -> WorkerRef:
         """Decode allocates first: a decode worker with room for the KV."""
@@ -306,7 +307,11 @@ class RequestDriver:
         (its decode worker is gone or no longer runs it)."""
         router = self.router
         while True:
-            rec = await router.read_record(self.request_id)
+            try:
+                rec = await router.read_record(self.request_id)
+            except RouterError:  # the store is away: keep watching until it is back
+                await asyncio.sleep(1.0)
+                continue
             if rec is None or rec.state.terminal:
                 self.stream.end(Status.OK, rec.finish_reason if rec else "error")
                 return True
@@ -318,7 +323,10 @@ class RequestDriver:
                 except AttemptFailed:
                     held = False
             if not held:
-                tokens = await router.read_tokens(self.request_id)
+                try:
+                    tokens = await router.read_tokens(self.request_id)
+                except RouterError:
+                    continue
                 self.stream = RequestStream.open(
                     self.request_id, router.tokenizer, self.spec.sampling.stop, tokens
                 )

@@ -7,9 +7,12 @@ from workers.messages import Status
 
 class RouterError(Exception):
     """Ends a call with `status` (sent as the gRPC status of that name) and a message that
-    says what to do about it."""
+    says what to do about it. `final`: the request's own outcome, which trying again cannot
+    change (a client resuming on another router stops there); not final: a passing condition
+    of this router or its store, worth a retry."""
 
-    def __init__(self, status: Status, message: str) -> None:
+    def __init__(self, status: Status, message: str, final: bool = True) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.final = final

@@ -1,12 +1,12 @@
-"""The router's side of the request store, kept off the event loop's critical path:
+"""The router's side of the request store, kept off every request's critical path:
 
 - `create` must reach the store: while it is unreachable, new requests get UNAVAILABLE with a
   message that says so;
-- every other write (an attempt begins, a request ends) is tried at once and, if the store is
-  unreachable, kept and retried in order until it returns, while streams go on;
+- every other write (an attempt begins, a request ends) is queued and written, in order, by
+  one background task; while the store is unreachable the queue waits and streams go on;
 - the store's identity is watched: when it comes back as a new process (a restart that may
   have lost its last second of writes), every request this router drives, and every one it
-  ended in the last minute, is written back whole.
+  ended in the last minute, is written back whole before the queue goes on.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from workers.messages import Status
 
 log = logging.getLogger(__name__)
 _KEEP_ENDED_S = 60.0
+_RETRY_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,8 @@ class Records:
         self.timeout_s = timeout_s
         self.down_since: float | None = None
         self.identity: str | None = None
-        self._backlog: deque[tuple[str, Callable[[], Awaitable]]] = deque()
+        self._queue: deque[tuple[str, Callable[[], Awaitable]]] = deque()
+        self._wake = asyncio.Event()
         self._ended: deque[_Ended] = deque()
         self.snapshots: Callable[[], list[tuple[RequestRecord, list[int]]]] = lambda: []
 
@@ -47,11 +49,16 @@ class Records:
     def available(self) -> bool:
         return self.store is not None and self.down_since is None
 
+    @property
+    def pending(self) -> int:
+        return len(self._queue)
+
     def _unreachable(self, e: Exception) -> RouterError:
         return RouterError(
             Status.UNAVAILABLE,
             f"the request store (Redis at {self.store.where}) is unreachable "
             f"({type(e).__name__}: {e}); new requests are refused until it returns",
+            final=False,
         )
 
     async def _call(self, coro: Awaitable):
@@ -61,7 +68,7 @@ class Records:
         if self.store is None:
             return
         if self.down_since is not None:
-            raise self._unreachable(ConnectionError("not answering"))
+            raise self._unreachable(ConnectionError("it did not answer the last call"))
         try:
             created = await self._call(self.store.create(rec))
         except Exception as e:
@@ -70,17 +77,12 @@ class Records:
         if not created:
             raise RouterError(Status.ALREADY_EXISTS, f"request id {rec.request_id} was used before")
 
-    async def write(self, what: str, make: Callable[[], Awaitable]) -> None:
-        """Best effort now; kept and retried in order while the store is away."""
+    def write(self, what: str, make: Callable[[], Awaitable]) -> None:
+        """Queue a write; the writer task sends it in order, retrying while the store is away."""
         if self.store is None:
             return
-        if self.down_since is None and not self._backlog:
-            try:
-                await self._call(make())
-                return
-            except Exception as e:
-                self._went_down(e)
-        self._backlog.append((what, make))
+        self._queue.append((what, make))
+        self._wake.set()
 
     def ended(self, rec: RequestRecord, tokens: list[int]) -> None:
         """Remember a request's end for a while, to write it back if the store restarts."""
@@ -108,7 +110,21 @@ class Records:
                 e,
             )
 
-    async def watch_forever(self, interval_s: float = 0.5) -> None:
+    # -- background -------------------------------------------------------------------------
+    async def write_forever(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue and self.down_since is None:
+                what, make = self._queue[0]
+                try:
+                    await self._call(make())
+                except Exception as e:
+                    self._went_down(e)
+                    break
+                self._queue.popleft()
+
+    async def watch_forever(self, interval_s: float = _RETRY_S) -> None:
         while True:
             await asyncio.sleep(interval_s)
             try:
@@ -126,25 +142,23 @@ class Records:
             return
         restarted = self.identity is not None and identity != self.identity
         self.identity = identity
-        if self.down_since is not None:
-            log.warning(
-                "request store %s is back after %.1f s%s; writing %d kept writes",
-                self.store.where,
-                time.monotonic() - self.down_since,
-                " (restarted)" if restarted else "",
-                len(self._backlog),
-            )
-            self.down_since = None
         if restarted:
-            await self._restore()
-        while self._backlog:
-            what, make = self._backlog[0]
             try:
-                await self._call(make())
+                await self._restore()
             except Exception as e:
                 self._went_down(e)
                 return
-            self._backlog.popleft()
+        if self.down_since is not None:
+            log.warning(
+                "request store %s is back after %.1f s%s; %d writes were kept",
+                self.store.where,
+                time.monotonic() - self.down_since,
+                " (restarted)" if restarted else "",
+                len(self._queue),
+            )
+            self.down_since = None
+        if self._queue:
+            self._wake.set()
 
     async def _restore(self) -> None:
         """Write back what a restarted store may have lost: writes are idempotent."""
@@ -152,7 +166,10 @@ class Records:
         for rec, tokens in live:
             await self._call(self.store.restore(rec, tokens))
         for e in list(self._ended):
-            running = replace(e.record, state=RecordState.RUNNING)
-            await self._call(self.store.restore(running, []))
+            await self._call(self.store.restore(replace(e.record, state=RecordState.RUNNING), []))
             await self._call(self.store.end(e.record, list(e.tokens)))
-        log.warning("restored %d running and %d ended request records", len(live), len(self._ended))
+        log.warning(
+            "request store restarted: wrote back %d running and %d ended requests",
+            len(live),
+            len(self._ended),
+        )

@@ -100,6 +100,6 @@ async def tail_log(router: Router, rec: RequestRecord, offset: int) -> AsyncIter
             return
         if time.monotonic() - last_progress > stall:
             raise RouterError(
-                Status.UNAVAILABLE, f"request {rid} made no progress for {stall:.0f} s"
+                Status.UNAVAILABLE, f"request {rid} made no progress for {stall:.0f} s", final=False
             )
         await asyncio.sleep(_POLL_S)

@@ -97,10 +97,10 @@ def _reject_malformed(request) -> None:
 
 
 async def _abort(context, e: RouterError) -> None:
-    # Marked as the router's own decision, so a client does not take it for a broken router.
-    await context.abort(
-        getattr(grpc.StatusCode, e.status.value), e.message, trailing_metadata=((FINAL_KEY, "1"),)
-    )
+    # A request's final outcome is marked, so a client does not take it for a broken router
+    # and resume elsewhere; a passing condition (no worker yet, Redis away) is left unmarked.
+    meta = ((FINAL_KEY, "1"),) if e.final else ()
+    await context.abort(getattr(grpc.StatusCode, e.status.value), e.message, trailing_metadata=meta)
 
 
 def _failed(chunk) -> RouterError | None:

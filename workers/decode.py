@@ -332,9 +332,13 @@ class DecodeWorker(WorkerBase):
         self._drop(rid)
         return found
 
-    def adopt(self, request_id: str, router_id: str) -> bool:
-        """Send a request's further events to `router_id` (its old router is gone)."""
-        return self.relay.adopt(request_id, router_id)
+    def holds(self, request_id: str, attempt: int) -> bool:
+        """True while this attempt of the request is generating here."""
+        return self.loop.call(self._holds, request_id, attempt).result(10)
+
+    def _holds(self, rid: str, attempt: int) -> bool:
+        held = self._held.get(rid)
+        return held is not None and held.attempt == attempt and held.reserved_until is None
 
     def poll(self, router_id: str, timeout_s: float = 1.0) -> list[TokenEvent]:
         """This router's events since its last poll; waits up to timeout_s for one."""

@@ -123,14 +123,6 @@ class TokenRelay:
             self._drop_orphans()
         return out
 
-    def adopt(self, request_id: str, router_id: str) -> bool:
-        """Send this request's next events to `router_id`; False if it is not here."""
-        with self._cond:
-            if request_id not in self._owners:
-                return False
-            self._owners[request_id] = router_id
-            return True
-
     def _drop_orphans(self) -> None:
         now = time.monotonic()
         for rid, box in list(self._outboxes.items()):

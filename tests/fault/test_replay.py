@@ -1,0 +1,223 @@
+"""Failure replay on the default model (SmolLM2, fp32), with 16 concurrent streams and real
+processes killed by pid: a decode worker (with two decode workers, and alone), a prefill
+worker mid-prefill, a KV transfer cut midway, Redis killed and restarted, Redis unreachable.
+Every stream must end whole and equal to the no-fault run, token for token (greedy, and
+seeded sampling at temperature 0.8); afterwards no worker holds a KV block and no request
+record is left non-terminal. The router-failover case is in test_router_failover.py."""
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from router.client import to_proto
+from router.store import RecordState
+from tests.fault.faults import (
+    assert_clean,
+    assert_whole,
+    kill,
+    live_workers,
+    run_with_fault,
+    wait_for,
+    workload,
+)
+from tests.integration.harness import ClusterHarness, cluster_config, greedy
+
+pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.timeout(900)]
+
+REQUESTS = workload(16)
+LONG_TEXT = " ".join(
+    f"Paragraph {i}: the quick brown fox jumps over the lazy dog near the river bank."
+    for i in range(90)
+)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    h = ClusterHarness(
+        cluster_config(
+            engine={"dtype": "float32", "num_kv_blocks": 640},
+            prefill={"replicas": 1, "cpus": 0.5},
+            decode={"replicas": 2, "cpus": 0.5},
+            router={"port": 0},
+            dashboard=False,
+            ray_num_cpus=4,
+            transfer_timeout_s=5,
+            data_dir=str(tmp_path_factory.mktemp("data")),
+        )
+    )
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster):
+    """The no-fault run of the workload, on the same cluster."""
+    results = cluster.generate_many(REQUESTS)
+    for r in results:
+        assert r.status == "OK", r.error
+    return [r.token_ids for r in results]
+
+
+def clean(cluster) -> dict:
+    return assert_clean(cluster.status, lambda: cluster.run(cluster.store.active()))
+
+
+def live(cluster, pool: str) -> list[dict]:
+    return [w for w in cluster.status()[pool] if w["alive"]]
+
+
+def healed(cluster, pool: str, n: int) -> dict:
+    def ok():
+        s = cluster.status()
+        return s if s["pools"][pool]["live"] == n and not s["pools"][pool]["starting"] else None
+
+    return wait_for(ok, 180, f"the {pool} pool back at {n}")
+
+
+def failures(cluster, results) -> list[str]:
+    recs = [cluster.run(cluster.store.get(r.request_id)) for r in results]
+    return [f for rec in recs for f in rec.failures]
+
+
+def test_decode_worker_killed_mid_stream_with_two_decode_workers(cluster, reference):
+    victim = max(live(cluster, "decode"), key=lambda w: w["name"])
+    restarts = cluster.status()["pools"]["decode"]["restarts"]
+
+    async def strike():
+        busiest = max(await live_workers(cluster.client, "decode"), key=lambda w: w["running"])
+        victim.update(busiest)
+        kill(busiest["pid"])
+
+    results, _ = cluster.run(run_with_fault(cluster.client, REQUESTS, strike), timeout=600)
+    assert_whole(results, reference)  # greedy and the two seeded sampled streams alike
+    assert any(victim["name"] in f for f in failures(cluster, results)), "nothing replayed"
+    s = healed(cluster, "decode", 2)
+    assert s["pools"]["decode"]["restarts"] == restarts + 1
+    assert victim["name"] not in [w["name"] for w in s["decode"] if w["alive"]]
+    assert s["router"]["replays_recovered"] >= 1
+    clean(cluster)
+
+
+def test_prefill_worker_killed_mid_prefill(cluster, reference):
+    long = greedy(LONG_TEXT, 24, ignore_eos=True)
+    [want] = cluster.generate_many([long])
+    assert want.status == "OK"
+    requests = [long, *REQUESTS[:8]]
+
+    async def strike_mid_prefill(client):
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # strike while the long prompt is being computed
+            s = await client.status()
+            p = [w for w in s.prefill if w.alive][0]
+            if p.queued_prefill_tokens >= 1000:
+                kill(p.pid)
+                return p.name
+            await asyncio.sleep(0.01)
+        raise AssertionError("never saw the long prompt queued on the prefill worker")
+
+    async def go():
+        tasks = [
+            asyncio.create_task(cluster.client.generate(to_proto(r), timeout_s=400))
+            for r in requests
+        ]
+        name = await strike_mid_prefill(cluster.client)
+        return name, await asyncio.gather(*tasks)
+
+    victim, results = cluster.run(go(), timeout=600)
+    assert_whole(results, [want.token_ids, *reference[:8]])
+    assert any(victim in f for f in failures(cluster, results[:1]))
+    healed(cluster, "prefill", 1)
+    clean(cluster)
+
+
+def test_kv_transfer_cut_midway(cluster, reference):
+    """Both decode workers are frozen (SIGSTOP) as the first prefill ends, so the pushes
+    then under way stop mid-payload; one of them is killed, the other thawed."""
+    prompts = [greedy(LONG_TEXT[: 900 + 60 * i], 16, ignore_eos=True) for i in range(12)]
+    wanted = [r.token_ids for r in cluster.generate_many(prompts)]
+    frozen: list[dict] = []
+
+    async def strike():
+        frozen.extend(await live_workers(cluster.client, "decode"))
+        for w in frozen:
+            os.kill(w["pid"], signal.SIGSTOP)
+        # The prefill worker goes on prefilling and pushing: within a second its sender is
+        # blocked mid-payload on a frozen receiver (gloo sends of MBs cannot complete).
+        await asyncio.sleep(1.0)
+        kill(frozen[0]["pid"])
+        for w in frozen[1:]:
+            os.kill(w["pid"], signal.SIGCONT)
+
+    results, _ = cluster.run(
+        run_with_fault(cluster.client, prompts, strike, when_tokens=1), timeout=600
+    )
+    assert_whole(results, wanted)
+    cut = [f for f in failures(cluster, results) if frozen[0]["name"] in f]
+    assert cut, "no attempt on the killed decode worker failed"
+    healed(cluster, "decode", 2)
+    clean(cluster)
+
+
+def test_redis_killed_and_restarted_under_load(cluster, reference):
+    redis = cluster.cluster.redis
+    old = redis.pid
+
+    results, _ = cluster.run(
+        run_with_fault(cluster.client, REQUESTS, lambda: kill(old)), timeout=600
+    )
+    assert_whole(results, reference)
+    wait_for(lambda: redis.pid != old and redis.restarts >= 1, 30, "redis restarted")
+    clean(cluster)
+    # What the restart lost was written again: every record is whole and terminal.
+    for r in results:
+        rec = cluster.run(cluster.store.get(r.request_id))
+        assert rec is not None and rec.state is RecordState.FINISHED, r.request_id
+        assert cluster.run(cluster.store.tokens(r.request_id)) == r.token_ids
+
+
+def test_redis_unreachable_refuses_new_requests_and_streams_go_on(cluster, reference):
+    pid = cluster.cluster.redis.pid
+    stopped = {}
+
+    async def strike():
+        os.kill(pid, signal.SIGSTOP)  # alive but silent: calls time out
+        try:
+            stopped["late"] = await cluster.client.generate(
+                to_proto(greedy("Hello?", 4)), timeout_s=60, max_resumes=0
+            )
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    results, _ = cluster.run(run_with_fault(cluster.client, REQUESTS[:12], strike), timeout=600)
+    assert_whole(results, reference[:12])
+    late = stopped["late"]
+    assert late.status == "UNAVAILABLE" and "unreachable" in late.error, late
+    clean(cluster)
+    [after] = cluster.generate_many([greedy("Hello again.", 4)])
+    assert after.status == "OK"
+
+
+def test_lone_decode_worker_killed_and_its_replacement_takes_over(cluster, reference):
+    from router.api import tandem_pb2 as pb
+
+    names = [w["name"] for w in live(cluster, "decode")]
+
+    async def drain():
+        request = pb.DrainRequest(worker=names[-1], timeout_s=60)
+        return await cluster.client.admin.Drain(request, timeout=120)
+
+    assert cluster.run(drain()).drained
+    s = cluster.status()
+    assert s["pools"]["decode"]["target"] == 1 and len(live(cluster, "decode")) == 1
+
+    async def strike():
+        [only] = await live_workers(cluster.client, "decode")
+        kill(only["pid"])
+
+    results, _ = cluster.run(run_with_fault(cluster.client, REQUESTS, strike), timeout=600)
+    assert_whole(results, reference)
+    healed(cluster, "decode", 1)
+    clean(cluster)
