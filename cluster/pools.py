@@ -64,7 +64,7 @@ class PoolManager:
         self._next_index = {p: 0 for p in Pool}
         self._spawn_failed_at = {p: 0.0 for p in Pool}
         self._listeners: list[Listener] = []
-        self._discovering: set[str] = set()
+        self._discovering: set[str] = set()  # named actors found, not yet answering
 
     # -- the directory ----------------------------------------------------------------------
     def members(self, pool: Pool, include_dead: bool = False) -> list[WorkerRef]:
@@ -84,12 +84,15 @@ class PoolManager:
             fn(event, w)
 
     def starting(self, pool: Pool) -> int:
-        return self._starting[pool]
+        """Workers being started here, or found starting (another router's, not answering
+        yet): a new controller does not start their like again."""
+        found = sum(1 for n in self._discovering if n.startswith(pool.value + "-"))
+        return self._starting[pool] + found
 
     def pool_status(self) -> list[PoolStatus]:
         return [
             PoolStatus(
-                p, self.targets.get(p, 0), len(self.members(p)), self._starting[p], self.restarts[p]
+                p, self.targets.get(p, 0), len(self.members(p)), self.starting(p), self.restarts[p]
             )
             for p in Pool
         ]
@@ -126,9 +129,9 @@ class PoolManager:
 
     async def spawn(self, pool: Pool) -> WorkerRef:
         spec = self.specs[pool]
-        self._check_resources(spec)
         self._starting[pool] += 1
         try:
+            await self._check_resources(spec)
             for _ in range(8):  # a name still held by a dead actor: take the next
                 name = self._new_name(pool)
                 try:
@@ -180,17 +183,24 @@ class PoolManager:
             .remote(**kwargs)
         )
 
-    def _check_resources(self, spec: PoolSpec) -> None:
-        """Fail now, naming the shortfall, rather than leave an actor pending for resources."""
-        free = ray.available_resources()
-        needs = [("CPU", spec.cpus), ("GPU", spec.gpus), *spec.resources]
-        for key, need in needs:
-            if need > 0 and free.get(key, 0.0) + 1e-9 < need:
+    async def _check_resources(self, spec: PoolSpec, wait_s: float = 5.0) -> None:
+        """Fail now, naming the shortfall, rather than leave an actor pending for resources.
+        A worker that was just stopped frees its resources a moment later: wait that long."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            free = ray.available_resources()
+            needs = [("CPU", spec.cpus), ("GPU", spec.gpus), *spec.resources]
+            short = [(k, n) for k, n in needs if n > 0 and free.get(k, 0.0) + 1e-9 < n]
+            if not short:
+                return
+            if time.monotonic() > deadline:
+                key, need = short[0]
                 raise ValueError(
                     f"not enough {key} in the Ray cluster for another worker: it needs "
                     f"{need:g}, {free.get(key, 0.0):g} is free; add nodes or lower the "
                     "pool's cpus/gpus/resources"
                 )
+            await asyncio.sleep(0.2)
 
     # -- keeping pools at their size --------------------------------------------------------
     async def heal(self) -> None:
@@ -198,7 +208,7 @@ class PoolManager:
         failed: then a later round tries again)."""
         jobs = []
         for pool, target in self.targets.items():
-            missing = target - len(self.members(pool)) - self._starting[pool]
+            missing = target - len(self.members(pool)) - self.starting(pool)
             if missing <= 0:
                 continue
             if time.monotonic() - self._spawn_failed_at[pool] < _RETRY_SPAWN_S:

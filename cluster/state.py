@@ -27,7 +27,6 @@ import redis
 import redis.asyncio as aioredis
 
 from router.store import BeginResult, RecordState, RequestRecord
-from workers.engine.request import FinishReason
 from workers.messages import (
     LogAck,
     LogResult,
@@ -41,8 +40,9 @@ PREFIX = "tandem:"
 ACTIVE = PREFIX + "active"
 TERMINAL = tuple(s.value for s in RecordState if s.terminal)
 
-# KEYS: hash, tokens, active. ARGV: attempt, offset, ttl, final state ('' = none),
-# finish_reason, error, request id, now, status, token ids...  Returns {result, log length}.
+# KEYS: hash, tokens, active, failures. ARGV: attempt, offset, ttl, final state ('' = none),
+# finish_reason, error, request id, now, status, n, n failure causes, then the token ids.
+# Returns {result, log length}.
 _APPEND = """
 local a = redis.call('HGET', KEYS[1], 'attempt')
 if not a then return {'missing', 0} end
@@ -50,7 +50,8 @@ if tonumber(a) ~= tonumber(ARGV[1]) then return {'fenced', 0} end
 local n = redis.call('LLEN', KEYS[2])
 local off = tonumber(ARGV[2])
 if off > n then return {'gap', n} end
-local i = 10 + (n - off)
+local nf = tonumber(ARGV[10])
+local i = 11 + nf + (n - off)
 while i <= #ARGV do
   local j = math.min(i + 999, #ARGV)
   redis.call('RPUSH', KEYS[2], unpack(ARGV, i, j))
@@ -63,9 +64,13 @@ if ARGV[4] ~= '' then
     redis.call('HSET', KEYS[1], 'state', ARGV[4], 'finish_reason', ARGV[5], 'error', ARGV[6],
                'updated', ARGV[8], 'status', ARGV[9])
   end
+  if nf > 0 then
+    redis.call('DEL', KEYS[4])
+    redis.call('RPUSH', KEYS[4], unpack(ARGV, 11, 10 + nf))
+  end
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('EXPIRE', KEYS[2], ARGV[3])
-  redis.call('EXPIRE', KEYS[1] .. ':failures', ARGV[3])
+  redis.call('EXPIRE', KEYS[4], ARGV[3])
   redis.call('SREM', KEYS[3], ARGV[7])
 end
 return {'ok', n}
@@ -180,12 +185,20 @@ def _record(request_id: str, h: dict, failures: list[str]) -> RequestRecord:
     )
 
 
-def _append_args(
-    w: LogWrite, ttl_s: int, state: str = "", reason: str = "", error: str = "", status: str = "OK"
-):
-    keys = [key(w.request_id), key(w.request_id) + ":tokens", ACTIVE]
-    args = [w.attempt, w.offset, ttl_s, state, reason, error, w.request_id, str(time.time())]
-    return keys, [*args, status, *w.token_ids]
+def _append_args(w: LogWrite, ttl_s: int, end: RequestRecord | None = None):
+    """The _APPEND script's keys and arguments: a token write, and with `end`, the end."""
+    rid = w.request_id
+    keys = [key(rid), key(rid) + ":tokens", ACTIVE, key(rid) + ":failures"]
+    if end is None:
+        state = reason = error = ""
+        status, failures = "OK", ()
+        if w.finish_reason is not None:  # a decode worker's natural end
+            state, reason = RecordState.FINISHED.value, w.finish_reason.value
+    else:
+        state, reason, error = end.state.value, end.finish_reason, end.error
+        status, failures = end.status.value, end.failures
+    args = [w.attempt, w.offset, ttl_s, state, reason, error, rid, str(time.time()), status]
+    return keys, [*args, len(failures), *failures, *w.token_ids]
 
 
 def _flat(d: dict) -> list:
@@ -249,11 +262,10 @@ class RedisStore:
         rid = rec.request_id
         await self._raise(keys=[key(rid)], args=[rec.attempt])
         w = LogWrite(rid, rec.attempt, 0, tuple(tokens))
-        args = (rec.state.value, rec.finish_reason, rec.error, rec.status.value)
-        result, _ = await self._append(*_append_args(w, self.ttl_s, *args))
+        result, _ = await self._append(*_append_args(w, self.ttl_s, rec))
         if result == "missing":  # the store lost the record (a restart): end it whole anyway
             await self.restore(replace(rec, state=RecordState.RUNNING), [])
-            await self._append(*_append_args(w, self.ttl_s, *args))
+            await self._append(*_append_args(w, self.ttl_s, rec))
 
     async def get(self, rid: str) -> RequestRecord | None:
         async with self.r.pipeline(transaction=False) as p:
@@ -330,9 +342,7 @@ class RedisTokenLog:
         r = self._client()
         with r.pipeline(transaction=False) as p:
             for w in writes:
-                state = RecordState.FINISHED.value if w.finish_reason else ""
-                reason = w.finish_reason.value if isinstance(w.finish_reason, FinishReason) else ""
-                keys, args = _append_args(w, self.ttl_s, state, reason, w.error)
+                keys, args = _append_args(w, self.ttl_s)
                 self._script(keys=keys, args=args, client=p)
             results = p.execute()
         return [

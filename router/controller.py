@@ -48,6 +48,7 @@ class Controller:
 
     async def tick(self) -> None:
         router, store = self.router, self.router.store
+        was_leader = self.leader
         if store is None:  # a router without a store is alone: it controls its pools
             self.leader = True
         else:
@@ -55,11 +56,10 @@ class Controller:
                 await asyncio.wait_for(
                     store.heartbeat(router.id, self.address, self.ttl_s), self.ttl_s
                 )
-                was = self.leader
                 self.leader = await asyncio.wait_for(
                     store.hold_lease(LEASE, router.id, self.ttl_s), self.ttl_s
                 )
-                if self.leader != was:
+                if self.leader != was_leader:
                     log.warning(
                         "router %s %s the controller lease",
                         router.id,
@@ -71,6 +71,8 @@ class Controller:
             except Exception as e:  # store away: keep the role we had
                 log.debug("controller: store unreachable (%s)", e)
         if self.leader:
+            if not was_leader:  # new in the role: see the pools as they are before healing
+                await router.directory.refresh()
             if self._heal is None or self._heal.done():
                 self._heal = asyncio.get_running_loop().create_task(router.directory.heal())
             if store is not None and router.records.available:

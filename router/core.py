@@ -231,7 +231,12 @@ class Router:
             ) from None
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if getattr(e, "cause", None) is not None else e
-            status = Status.RESOURCE_EXHAUSTED if isinstance(cause, ValueError) else Status.INTERNAL
+            if isinstance(cause, TimeoutError):  # the worker is alive but busy or stuck
+                status = Status.UNAVAILABLE
+            elif isinstance(cause, ValueError):  # it refused the request itself
+                status = Status.RESOURCE_EXHAUSTED
+            else:
+                status = Status.INTERNAL
             raise AttemptFailed(status, f"{w.name}: {type(cause).__name__}: {cause}") from None
         except ray.exceptions.RayError as e:
             raise AttemptFailed(Status.UNAVAILABLE, f"{w.name}: {e}") from None
@@ -329,7 +334,9 @@ class Router:
         try:
             spec = adm.spec
             await self.records.create(
-                RequestRecord(rid, spec.prompt_ids, spec.sampling, spec.priority, adm.tenant)
+                RequestRecord(
+                    rid, spec.prompt_ids, spec.sampling, spec.priority, adm.tenant, owner=self.id
+                )
             )
             stream = RequestStream.open(rid, self.tokenizer, spec.sampling.stop)
             driver = RequestDriver(self, spec, stream)
@@ -346,13 +353,20 @@ class Router:
     def _check_pools(self) -> None:
         pools = [Pool.DECODE] if self.mode == "colocated" else [Pool.PREFILL, Pool.DECODE]
         for pool in pools:
-            if not self.directory.members(pool) and not self.directory.starting(pool):
+            if not self.expects(pool):
                 raise RouterError(
                     Status.UNAVAILABLE,
-                    f"no live {pool.value} worker and none starting; check `tandem status` "
-                    "and scale the empty pool",
+                    f"the {pool.value} pool is empty and set to stay so; scale it "
+                    f"(tandem scale --{pool.value} N)",
                     final=False,
                 )
+
+    def expects(self, pool: Pool) -> bool:
+        """Whether the pool has, or will have, a worker: a live one, one starting, or a
+        target above zero (the controller heals it)."""
+        if self.directory.members(pool) or self.directory.starting(pool):
+            return True
+        return any(p.pool is pool and p.target > 0 for p in self.directory.pool_status())
 
     async def cancel(self, request_id: str) -> bool:
         d = self.drivers.get(request_id)

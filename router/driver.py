@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from router.core import Router
 
 log = logging.getLogger(__name__)
-_HEAL_GRACE_S = 5.0  # how long to wait for a replacement before one is seen starting
 
 
 class AttemptFailed(Exception):
@@ -214,8 +213,8 @@ class RequestDriver:
         raise AttemptFailed(Status.UNAVAILABLE, "no decode worker took the request")
 
     async def _candidates(self, pool: Pool) -> list[WorkerRef]:
-        """Live, undrained workers of a pool, best first. With none, wait (a replacement is
-        normally starting within a few seconds) up to replay_wait_s."""
+        """Live, undrained workers of a pool, best first. With none, wait for the pool to heal
+        (the controller starts replacements up to the pool's target) up to replay_wait_s."""
         cfg = self.router.config
         t0 = time.monotonic()
         while True:
@@ -223,8 +222,7 @@ class RequestDriver:
             if found:
                 return found
             waited = time.monotonic() - t0
-            starting = self.router.directory.starting(pool)
-            if waited > cfg.replay_wait_s or (waited > _HEAL_GRACE_S and not starting):
+            if waited > cfg.replay_wait_s or not self.router.expects(pool):
                 raise AttemptFailed(
                     Status.UNAVAILABLE,
                     f"no live {pool.value} worker after {waited:.0f} s; "
@@ -333,6 +331,9 @@ class RequestDriver:
                 self.attempt = rec.attempt
                 self.decode = rec.decode
                 self.failures = list(rec.failures)
+                if rec.attempt == 0:  # its router died before it began: no replay, a start
+                    log.warning("request %s: starting it (its router is gone)", self.request_id)
+                    return False
                 cause = f"{rec.decode or 'its worker'} no longer runs it (its router is gone)"
                 self.failures.append(f"attempt {rec.attempt}: {cause}")
                 self._replay_starts(cause)

@@ -111,9 +111,7 @@ class DecodeWorker(WorkerBase):
         attempt is already here). Given back if no KV arrives within ttl_s."""
         if self.draining:
             return None
-        return self.loop.call(
-            self._reserve, request_id, attempt, num_tokens, router_id, ttl_s
-        ).result(10)
+        return self.on_loop(self._reserve, request_id, attempt, num_tokens, router_id, ttl_s)
 
     def _reserve(self, rid: str, attempt: int, num_tokens: int, router_id: str, ttl_s: float):
         held = self._held.get(rid)
@@ -162,7 +160,7 @@ class DecodeWorker(WorkerBase):
         try:
             if current is None or current[0] != generation:
                 raise TransferError(f"no pair group {prefill}/{generation} on {self.name}")
-            blocks = self.loop.call(self._reserved_blocks, rid, spec.attempt).result(10)
+            blocks = self.on_loop(self._reserved_blocks, rid, spec.attempt)
             if blocks is None:
                 raise TransferError(f"{rid} (attempt {spec.attempt}) has no reservation here")
             t0 = time.perf_counter()
@@ -179,9 +177,9 @@ class DecodeWorker(WorkerBase):
             )
             seconds = time.perf_counter() - t0
             if self._done_receiving(rid):  # cancelled meanwhile
-                self.loop.call(self._drop, rid).result(10)
+                self.on_loop(self._drop, rid)
                 return PushResult(rid, True, seconds)
-            self.loop.call(self._admit, admission, desc.first_token).result(10)
+            self.on_loop(self._admit, admission, desc.first_token)
             return PushResult(rid, True, seconds)
         except Exception as e:
             message = f"KV transfer {prefill} -> {self.name} failed: {e}"
@@ -194,7 +192,7 @@ class DecodeWorker(WorkerBase):
 
     def fail_request(self, request_id: str, attempt: int, message: str) -> None:
         """The sender gave up on this attempt's KV: free the reservation, report UNAVAILABLE."""
-        self.loop.call(self._fail, request_id, attempt, message).result(10)
+        self.on_loop(self._fail, request_id, attempt, message)
 
     def _reserved_blocks(self, rid: str, attempt: int) -> list[int] | None:
         held = self._held.get(rid)
@@ -300,7 +298,7 @@ class DecodeWorker(WorkerBase):
     def submit(self, spec: RequestSpec) -> bool:
         """Colocated mode: prefill and decode the request here, chunked prefill mixed into
         the decode batches. False if a newer attempt is already here."""
-        return self.loop.call(self._submit, spec).result(10)
+        return self.on_loop(self._submit, spec)
 
     def _submit(self, spec: RequestSpec) -> bool:
         rid = spec.request_id
@@ -325,7 +323,7 @@ class DecodeWorker(WorkerBase):
             if request_id in self._receiving:
                 self._cancel_after_receive.add(request_id)
                 return True
-        return self.loop.call(self._cancel, request_id).result(10)
+        return self.on_loop(self._cancel, request_id)
 
     def _cancel(self, rid: str) -> bool:
         found = rid in self._held
@@ -334,7 +332,7 @@ class DecodeWorker(WorkerBase):
 
     def holds(self, request_id: str, attempt: int) -> bool:
         """True while this attempt of the request is generating here."""
-        return self.loop.call(self._holds, request_id, attempt).result(10)
+        return self.on_loop(self._holds, request_id, attempt)
 
     def _holds(self, rid: str, attempt: int) -> bool:
         held = self._held.get(rid)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -93,16 +94,16 @@ class PrefillWorker(WorkerBase):
             self._queued_tokens += spec.num_tokens
         if old is not None:
             old.result.set_result(PrefillResult(rid, old.attempt, Status.CANCELLED))
+        deadline = time.monotonic() + timeout_s
         try:
-            self.loop.call(self._add, job).result(10)
-            return entry.result.result(timeout_s)
+            self.on_loop(self._add, job)
+            return entry.result.result(max(0.0, deadline - time.monotonic()))
         except ValueError as e:  # the engine refused it: it can never fit here
             return PrefillResult(rid, attempt, Status.RESOURCE_EXHAUSTED, error=str(e))
-        except FutureTimeout:
+        except (FutureTimeout, TimeoutError) as e:
             self.loop.call(self.engine.abort, rid)
-            return PrefillResult(
-                rid, attempt, Status.UNAVAILABLE, error=f"prefill took over {timeout_s:.0f} s"
-            )
+            why = str(e) or f"the prefill took over {timeout_s:.0f} s"
+            return PrefillResult(rid, attempt, Status.UNAVAILABLE, error=why)
         finally:
             with self._lock:
                 self._queued_tokens -= spec.num_tokens
@@ -124,7 +125,7 @@ class PrefillWorker(WorkerBase):
         )
 
     def cancel(self, request_id: str) -> bool:
-        found = self.loop.call(self.engine.abort, request_id).result(10)
+        found = self.on_loop(self.engine.abort, request_id)
         with self._lock:
             entry = self._jobs.get(request_id)
             push = self._pushes.get(request_id)

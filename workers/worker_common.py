@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import threading
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 
 from workers.engine.config import EngineConfig
@@ -14,6 +15,8 @@ from workers.engine.engine import LLMEngine
 from workers.engine.request import SamplingParams
 from workers.engine_loop import EngineLoop
 from workers.messages import Pool, WorkerStatus
+
+LOOP_WAIT_S = 60.0
 
 
 def node_address() -> str:
@@ -74,6 +77,16 @@ class WorkerBase:
         self.node = node_address()
         self.loop: EngineLoop | None = None
         self.liveness = LivenessPort(self.transfer_host)
+
+    def on_loop(self, fn, *args):
+        """Run fn(*args) on the engine loop between two steps and wait for it. A step may take
+        seconds on a busy CPU; past LOOP_WAIT_S the loop is called stuck (TimeoutError)."""
+        try:
+            return self.loop.call(fn, *args).result(LOOP_WAIT_S)
+        except FutureTimeout:
+            raise TimeoutError(
+                f"{self.name}'s engine loop did not answer within {LOOP_WAIT_S:.0f} s"
+            ) from None
 
     def start_loop(self, on_outputs) -> None:
         self.loop = EngineLoop(self.engine, on_outputs, name=f"{self.name}-loop").start()

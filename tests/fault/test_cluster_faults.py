@@ -160,3 +160,47 @@ def test_drain_stops_routing_then_removes_the_worker(cluster):
         )
     )
     assert r.status == "OK" and len(r.token_ids) == 3
+
+
+def test_past_the_retry_limit_a_stream_fails_with_every_cause(cluster):
+    """max_retries=1: the first decode worker's death is replayed, the second's is not. The
+    stream ends UNAVAILABLE naming both causes, never as a short success, and the record
+    says FAILED with both."""
+    from dataclasses import replace
+
+    from router.store import RecordState
+    from tests.fault.faults import wait_for
+
+    router = cluster.cluster.router
+    router.config = replace(router.config, max_retries=1)
+    try:
+
+        async def go():
+            admin = cluster.client.admin
+            await admin.Scale(pb.ScaleRequest(pool="decode", replicas=2), timeout=300)
+            killed, got, error = [], 0, None
+            try:
+                async for m in cluster.client.gen.Generate(long_request(), timeout=180):
+                    got += len(m.token_ids)
+                    if got >= 3 * (len(killed) + 1) and len(killed) < 2:
+                        s = await cluster.client.status()
+                        busy = [w for w in s.decode if w.alive and w.running]
+                        if busy:
+                            killed.append(busy[0].name)
+                            os.kill(busy[0].pid, signal.SIGKILL)
+                    rid = m.request_id
+            except grpc.aio.AioRpcError as e:
+                error = (e.code().name, e.details())
+            return rid, killed, got, error
+
+        rid, killed, got, error = cluster.run(go(), timeout=400)
+    finally:
+        router.config = replace(router.config, max_retries=3)
+    assert len(killed) == 2 and got < 480
+    assert error[0] == "UNAVAILABLE" and "gave up after 2 attempts" in error[1], error
+    assert all(name in error[1] for name in killed), error
+    rec = wait_for(  # the router writes the end behind the stream
+        lambda: (r := cluster.run(cluster.store.get(rid))).state.terminal and r, 30, "the end"
+    )
+    assert rec.state is RecordState.FAILED and rec.attempt == 2
+    assert rec.failures == tuple(f"attempt {i + 1}: {n} died" for i, n in enumerate(killed))

@@ -11,7 +11,7 @@ from router.errors import RouterError
 from router.server import _check_auth
 from router.validation import Admission
 from workers.engine.request import SamplingParams
-from workers.messages import Status
+from workers.messages import Pool, PoolStatus, Status
 
 
 class NoPools:
@@ -25,6 +25,9 @@ class NoPools:
 
     def starting(self, pool):
         return 0
+
+    def pool_status(self):
+        return [PoolStatus(p, target=0, live=0) for p in Pool]
 
 
 def admission(rid="r1"):
@@ -50,7 +53,7 @@ def test_full_queue_is_resource_exhausted_and_empty_pools_unavailable():
 
     full, empty = asyncio.run(go())
     assert full.status is Status.RESOURCE_EXHAUSTED and "queue is full" in full.message
-    assert empty.status is Status.UNAVAILABLE and "scale the empty pool" in empty.message
+    assert empty.status is Status.UNAVAILABLE and "scale it" in empty.message
 
 
 class Ctx:

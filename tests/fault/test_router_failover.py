@@ -1,0 +1,185 @@
+"""Routers are not a single point of failure. This test's process runs Ray and Redis only;
+`tandem up` (router A, which starts the pools) and `tandem router` (router B) are separate
+processes joining Ray by its explicit address (with Ray's token auth on). Router A is killed
+(SIGKILL) while 12 greedy streams of SmolLM2 run through it: the workers outlive it, every
+client resumes on B and gets its whole output, equal to the no-fault run; B takes over the
+controller lease. Then a decode worker is killed while its requests' router is dead: B adopts
+those requests and replays them from the token log."""
+
+import asyncio
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import ray
+
+from cluster.redis_server import EmbeddedRedis
+from router.client import TandemClient, status_to_dict, to_proto
+from tests.fault.faults import assert_clean, assert_whole, kill, run_with_fault, wait_for, workload
+
+pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.timeout(900)]
+REQUESTS = workload(12, max_tokens=80, sampled=0)
+
+
+def start_router(argv: list[str], log_path) -> tuple[subprocess.Popen, str]:
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"{argv[0]} exited: see {log_path}"
+        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+        if ready:
+            line = proc.stdout.readline()
+            if line.startswith("tandem serving on "):
+                return proc, line.split()[3]
+    proc.kill()
+    raise AssertionError(f"{argv[0]} did not start: see {log_path}")
+
+
+@pytest.fixture(scope="module")
+def routers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("failover")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    gcs = ray.get_runtime_context().gcs_address  # an explicit address, not "auto"
+    redis = EmbeddedRedis(tmp / "redis").start()
+    procs = []
+    try:
+        common = ["--ray-address", gcs, "--redis-url", redis.url, "--port", "0"]
+        a, addr_a = start_router(
+            [
+                "up",
+                *common,
+                "--dtype",
+                "float32",
+                "--num-kv-blocks",
+                "640",
+                "--decode",
+                "2",
+                "--prefill-cpus",
+                "0.5",
+                "--decode-cpus",
+                "0.5",
+            ],
+            tmp / "router-a.log",
+        )
+        procs.append(a)
+        b, addr_b = start_router(["router", *common], tmp / "router-b.log")
+        procs.append(b)
+        yield {"a": a, "b": b, "addr_a": addr_a, "addr_b": addr_b, "redis": redis}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        ray.shutdown()  # the local Ray this process started: its detached workers go with it
+        redis.stop()
+
+
+def test_router_killed_mid_stream_clients_resume_on_another(routers):
+    async def go():
+        client = TandemClient([routers["addr_a"], routers["addr_b"]])
+        try:
+            reference = await asyncio.gather(
+                *(client.generate(to_proto(r), timeout_s=300) for r in REQUESTS)
+            )
+            results, _ = await run_with_fault(
+                client, REQUESTS, lambda: kill(routers["a"].pid), when_tokens=10
+            )
+            return [r.token_ids for r in reference], results
+        finally:
+            await client.close()
+
+    reference, results = asyncio.run(go())
+    assert_whole(results, reference)
+    assert all(r.resumes >= 1 for r in results), "a stream did not move to router B"
+
+    def status():
+        return asyncio.run(status_of(routers["addr_b"]))
+
+    s = wait_for(
+        lambda: (st := status())["router"]["controller"] and st,
+        30,
+        "router B holding the controller lease",
+    )
+    assert s["pools"]["decode"]["live"] == 2 and s["pools"]["prefill"]["live"] == 1
+
+    assert_clean(status, lambda: asyncio.run(active(routers)))
+
+
+async def status_of(address: str) -> dict:
+    client = TandemClient(address)
+    try:
+        return status_to_dict(await client.status())
+    finally:
+        await client.close()
+
+
+async def active(routers) -> list[str]:
+    from cluster.state import RedisStore
+
+    store = RedisStore(routers["redis"].url)
+    try:
+        return await store.active()
+    finally:
+        await store.close()
+
+
+def test_requests_of_a_dead_router_are_replayed_when_their_worker_dies(routers):
+    """Router C takes requests, dies; then their decode worker dies. Router B, the
+    controller, adopts them and replays them from the token log; their clients resume on B."""
+    gcs = ray.get_runtime_context().gcs_address
+    common = ["--ray-address", gcs, "--redis-url", routers["redis"].url, "--port", "0"]
+    c, addr_c = start_router(["router", *common], routers["redis"].data_dir / "router-c.log")
+
+    async def go():
+        client = TandemClient([addr_c, routers["addr_b"]])
+        try:
+            reference = await asyncio.gather(
+                *(client.generate(to_proto(r), timeout_s=300) for r in REQUESTS)
+            )
+
+            async def strike():
+                kill(c.pid)
+                s = await status_of(routers["addr_b"])
+                busiest = max((w for w in s["decode"] if w["alive"]), key=lambda w: w["running"])
+                os.kill(busiest["pid"], signal.SIGKILL)
+
+            results, _ = await run_with_fault(client, REQUESTS, strike, when_tokens=10)
+            return [r.token_ids for r in reference], results
+        finally:
+            await client.close()
+
+    try:
+        reference, results = asyncio.run(go())
+    finally:
+        if c.poll() is None:
+            c.kill()
+    assert_whole(results, reference)
+    records = asyncio.run(read_records(routers["redis"].url, [r.request_id for r in results]))
+    adopted = [f for rec in records for f in rec.failures if "its router is gone" in f]
+    assert adopted, "no request was adopted and replayed by router B"
+    assert_clean(
+        lambda: asyncio.run(status_of(routers["addr_b"])), lambda: asyncio.run(active(routers))
+    )
+
+
+async def read_records(url: str, ids: list[str]):
+    from cluster.state import RedisStore
+
+    store = RedisStore(url)
+    try:
+        return [await store.get(i) for i in ids]
+    finally:
+        await store.close()
