@@ -115,6 +115,7 @@ class Cluster:
             # One machine: loopback. Joined to a Ray cluster: each worker's own node address.
             transfer_host=None if cfg.ray_address else _transfer_host(cfg.router.host),
             transfer_timeout_s=cfg.transfer_timeout_s,
+            store=self.store,
         )
         if self.join:
             progress("finding the cluster's workers")
@@ -125,6 +126,7 @@ class Cluster:
             await asyncio.gather(
                 *[self.pools.spawn(p) for p in cfg.pools for _ in range(cfg.pool(p).replicas)]
             )
+            await self.pools.save()
         self.router = Router(
             self.pools,
             Tokenizer(src),
@@ -179,6 +181,8 @@ class Cluster:
         raise RuntimeError(f"found no live worker of every pool in {timeout_s:.0f} s")
 
     async def stop(self) -> None:
+        if self.join and self.router is not None:
+            self.router.leave()  # the cluster goes on: its requests are taken over, not cancelled
         if self.server is not None:
             await self.server.stop(grace=2)
         if self.router is not None:

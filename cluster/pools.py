@@ -7,7 +7,8 @@ scaled, drained, replaced and stopped here. This is the router's WorkerDirectory
   leaves every request running. `stop_all` is what stops them.
 - Each pool has a target size. `heal` (run by the controller router) starts a replacement
   for every dead member; a router that is not the controller `refresh`es its view from the
-  named actors the controller started.
+  named actors the controller started. Targets and restart counts live in the store, so a
+  new controller carries on from them and every router shows the same.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from workers.messages import Pool, PoolStatus, TokenLog, WorkerInfo
 
 log = logging.getLogger(__name__)
 NAMESPACE = "tandem"
+POOLS_KEY = "pools"  # in the store: {"targets": {pool: n}, "restarts": {pool: n}}
 _NAME = re.compile(r"^(prefill|decode)-(\d+)$")
 _RETRY_SPAWN_S = 5.0
 
@@ -50,8 +52,10 @@ class PoolManager:
         transfer_timeout_s: float = 10.0,
         start_timeout_s: float = 300.0,
         namespace: str = NAMESPACE,
+        store=None,
     ) -> None:
         self.specs = specs
+        self.store = store  # where targets and restarts are shared (cluster.state.RedisStore)
         self.token_log = token_log
         self.transfer_host = transfer_host
         self.transfer_timeout_s = transfer_timeout_s
@@ -236,6 +240,7 @@ class PoolManager:
             return
         if dead is not None:
             self.restarts[pool] += 1
+            await self.save()
             self.workers[pool].pop(dead.name, None)
             log.warning(
                 "%s replaces %s (%d restarts in the %s pool)",
@@ -245,8 +250,38 @@ class PoolManager:
                 pool.value,
             )
 
+    async def save(self) -> None:
+        """Share targets and restart counts through the store (best effort)."""
+        if self.store is None:
+            return
+        state = {
+            "targets": {p.value: n for p, n in self.targets.items()},
+            "restarts": {p.value: n for p, n in self.restarts.items()},
+        }
+        try:
+            await asyncio.wait_for(self.store.put_json(POOLS_KEY, state), 5)
+        except Exception as e:  # the store is away: the next change writes it again
+            log.warning("could not save the pools' targets: %s", e)
+
+    async def load(self) -> None:
+        """Take the targets and restart counts the controller shared."""
+        if self.store is None:
+            return
+        try:
+            state = await asyncio.wait_for(self.store.get_json(POOLS_KEY), 5)
+        except Exception as e:
+            log.debug("could not read the pools' targets: %s", e)
+            return
+        for p in Pool:
+            if state and p.value in state.get("targets", {}) and p in self.targets:
+                self.targets[p] = int(state["targets"][p.value])
+            if state and p.value in state.get("restarts", {}):
+                self.restarts[p] = int(state["restarts"][p.value])
+
     async def refresh(self) -> None:
-        """Learn of workers another router's pool manager started, and of ones now gone."""
+        """Learn of workers another router's pool manager started, of ones now gone, and of
+        the targets and restarts it shared."""
+        await self.load()
         named = {
             a["name"]
             for a in ray.util.list_named_actors(all_namespaces=True)
@@ -284,6 +319,7 @@ class PoolManager:
         if replicas < 0:
             raise ValueError(f"replicas={replicas}: must be >= 0")
         self.targets[pool] = replicas
+        await self.save()
         live = self.members(pool)
         dead = [w for w in self.members(pool, include_dead=True) if not w.alive]
         for w in dead:  # a scale is a fresh start: dead members are not shown any more
@@ -302,6 +338,7 @@ class PoolManager:
         w.draining = True
         others = [m for m in self.members(w.pool) if m is not w and not m.draining]
         self.targets[w.pool] = min(self.targets.get(w.pool, 0), len(others))  # it shrinks
+        await self.save()
         await w.handle.set_draining.remote(True)
         deadline = time.monotonic() + timeout_s
         idle = False

@@ -11,13 +11,17 @@ TokenLog (blocking, picklable), over one key schema:
 
 Token writes carry their output offset and attempt, and run as one script: tokens the log
 already holds are skipped, a gap is reported (the writer sends again from the log's end), and
-a write from a superseded attempt is refused (fenced). So any number of writes may be
-repeated, and a stale worker can never corrupt a log. Terminal records get a TTL.
+a write from an attempt older than the record's is refused (fenced); a newer one raises the
+record's attempt (its router's note of it may not have landed yet). So any number of writes
+may be repeated, and a stale worker can never corrupt a log. Terminal records get a TTL.
 Every call has a socket timeout (G6): a Redis that stops answering raises, it never hangs.
+A Redis that cannot be reached raises the builtin ConnectionError (what callers treat as "the
+store is away, keep the writes"); any other error is a bug and surfaces as itself.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import replace
@@ -44,9 +48,11 @@ TERMINAL = tuple(s.value for s in RecordState if s.terminal)
 # finish_reason, error, request id, now, status, n, n failure causes, then the token ids.
 # Returns {result, log length}.
 _APPEND = """
-local a = redis.call('HGET', KEYS[1], 'attempt')
-if not a then return {'missing', 0} end
-if tonumber(a) ~= tonumber(ARGV[1]) then return {'fenced', 0} end
+local raw = redis.call('HGET', KEYS[1], 'attempt')
+if not raw then return {'missing', 0} end
+local a, mine = tonumber(raw), tonumber(ARGV[1])
+if a > mine then return {'fenced', 0} end
+if a < mine then redis.call('HSET', KEYS[1], 'attempt', ARGV[1]) end
 local n = redis.call('LLEN', KEYS[2])
 local off = tonumber(ARGV[2])
 if off > n then return {'gap', n} end
@@ -83,7 +89,7 @@ if not st then return 'missing' end
 if st == 'FINISHED' or st == 'FAILED' or st == 'CANCELLED' then return 'ended' end
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if owner and owner ~= '' and owner ~= ARGV[2] then return 'not_owner' end
-if tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0') >= tonumber(ARGV[1]) then
+if tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0') > tonumber(ARGV[1]) then
   return 'stale'
 end
 redis.call('HSET', KEYS[1], 'attempt', ARGV[1], 'owner', ARGV[2], 'prefill', ARGV[3],
@@ -128,6 +134,22 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+
+
+_UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError)
+
+
+def _reachable(fn):
+    """Redis's connection and timeout errors, as the builtin ConnectionError."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await fn(*args, **kwargs)
+        except _UNREACHABLE as e:
+            raise ConnectionError(f"{type(e).__name__}: {e}") from e
+
+    return wrapper
 
 
 def key(request_id: str) -> str:
@@ -230,14 +252,17 @@ class RedisStore:
     def where(self) -> str:
         return redact(self.url)
 
+    @_reachable
     async def ping(self) -> str:
         info = await self.r.info("server")
         return str(info.get("run_id", ""))
 
+    @_reachable
     async def create(self, rec: RequestRecord) -> bool:
         rid = rec.request_id
         return bool(await self._create(keys=[key(rid), ACTIVE], args=[rid, *_flat(_fields(rec))]))
 
+    @_reachable
     async def restore(self, rec: RequestRecord, tokens: list[int]) -> None:
         rid = rec.request_id
         await self._create(keys=[key(rid), ACTIVE], args=[rid, *_flat(_fields(rec))])
@@ -247,6 +272,7 @@ class RedisStore:
             w = LogWrite(rid, rec.attempt, 0, tuple(tokens))
             await self._append(*_append_args(w, self.ttl_s))
 
+    @_reachable
     async def begin_attempt(
         self, rid: str, attempt: int, owner: str, prefill: str, decode: str, failure: str
     ) -> BeginResult:
@@ -256,6 +282,7 @@ class RedisStore:
         )
         return BeginResult(res)
 
+    @_reachable
     async def end(self, rec: RequestRecord, tokens: list[int]) -> None:
         # The store may have lost this attempt's beginning (a restart): catch it up first. A
         # newer attempt than ours means another router drives the request: leave it be.
@@ -267,6 +294,7 @@ class RedisStore:
             await self.restore(replace(rec, state=RecordState.RUNNING), [])
             await self._append(*_append_args(w, self.ttl_s, rec))
 
+    @_reachable
     async def get(self, rid: str) -> RequestRecord | None:
         async with self.r.pipeline(transaction=False) as p:
             p.hgetall(key(rid))
@@ -274,18 +302,23 @@ class RedisStore:
             h, failures = await p.execute()
         return _record(rid, h, failures) if h else None
 
+    @_reachable
     async def tokens(self, rid: str, start: int = 0) -> list[int]:
         return [int(t) for t in await self.r.lrange(key(rid) + ":tokens", start, -1)]
 
+    @_reachable
     async def active(self) -> list[str]:
         return sorted(await self.r.smembers(ACTIVE))
 
+    @_reachable
     async def claim(self, rid: str, old_owner: str, new_owner: str) -> bool:
         return bool(await self._claim(keys=[key(rid)], args=[old_owner, new_owner]))
 
+    @_reachable
     async def heartbeat(self, router_id: str, address: str, ttl_s: float) -> None:
         await self.r.set(f"{PREFIX}router:{router_id}", address, px=int(ttl_s * 1000))
 
+    @_reachable
     async def live_routers(self) -> dict[str, str]:
         keys = [k async for k in self.r.scan_iter(match=f"{PREFIX}router:*", count=100)]
         if not keys:
@@ -294,17 +327,21 @@ class RedisStore:
         n = len(f"{PREFIX}router:")
         return {k[n:]: v for k, v in zip(keys, values) if v is not None}
 
+    @_reachable
     async def hold_lease(self, name: str, holder: str, ttl_s: float) -> bool:
         return bool(
             await self._lease(keys=[f"{PREFIX}lease:{name}"], args=[holder, int(ttl_s * 1000)])
         )
 
+    @_reachable
     async def lease_holder(self, name: str) -> str | None:
         return await self.r.get(f"{PREFIX}lease:{name}")
 
+    @_reachable
     async def put_json(self, name: str, value: dict) -> None:
         await self.r.set(f"{PREFIX}{name}", json.dumps(value))
 
+    @_reachable
     async def get_json(self, name: str) -> dict | None:
         v = await self.r.get(f"{PREFIX}{name}")
         return json.loads(v) if v else None
@@ -340,11 +377,14 @@ class RedisTokenLog:
 
     def write(self, writes: list[LogWrite]) -> list[LogAck]:
         r = self._client()
-        with r.pipeline(transaction=False) as p:
-            for w in writes:
-                keys, args = _append_args(w, self.ttl_s)
-                self._script(keys=keys, args=args, client=p)
-            results = p.execute()
+        try:
+            with r.pipeline(transaction=False) as p:
+                for w in writes:
+                    keys, args = _append_args(w, self.ttl_s)
+                    self._script(keys=keys, args=args, client=p)
+                results = p.execute()
+        except _UNREACHABLE as e:
+            raise ConnectionError(f"{type(e).__name__}: {e}") from e
         return [
             LogAck(w.request_id, LogResult(res), int(n)) for w, (res, n) in zip(writes, results)
         ]

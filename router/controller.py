@@ -68,7 +68,7 @@ class Controller:
                 if not self.leader:
                     holder = await store.lease_holder(LEASE)
                     self.leader_address = (await store.live_routers()).get(holder or "")
-            except Exception as e:  # store away: keep the role we had
+            except (ConnectionError, TimeoutError) as e:  # store away: keep the role we had
                 log.debug("controller: store unreachable (%s)", e)
         if self.leader:
             if not was_leader:  # new in the role: see the pools as they are before healing

@@ -74,6 +74,7 @@ class Router:
         self.queue_depth = 0
         self._pollers: dict[str, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
+        self.leaving = False
         directory.subscribe(self._on_pool_event)
 
     @property
@@ -99,7 +100,15 @@ class Router:
         """Run a coroutine for as long as the router runs."""
         self._tasks.append(asyncio.get_running_loop().create_task(coro))
 
+    def leave(self) -> None:
+        """Stop following requests without cancelling them (another router takes them over):
+        for a router that stops while the cluster goes on."""
+        self.leaving = True
+        for d in list(self.drivers.values()):
+            d.abandon()
+
     async def stop(self) -> None:
+        """Stop: the requests still running here are cancelled, unless `leave` came first."""
         for d in list(self.drivers.values()):
             if d.task is not None:
                 d.task.cancel()
@@ -347,7 +356,8 @@ class Router:
                 yield chunk
         finally:
             self.slots.release()
-            if driver is not None and not driver.stream.finished and driver.task is not None:
+            gone = driver is not None and not driver.stream.finished and not self.leaving
+            if gone and driver.task is not None:
                 driver.task.cancel()  # the caller went away: cancel, free the blocks
 
     def _check_pools(self) -> None:

@@ -64,6 +64,7 @@ class RequestDriver:
         self.replaying_since: float | None = None  # a failure was seen; no new token yet
         self.task: asyncio.Task | None = None
         self.watching = False  # adopted and not yet replayed: its tokens are in the log only
+        self.abandoned = False  # this router is leaving: the request goes on without it
 
     @property
     def request_id(self) -> str:
@@ -75,6 +76,13 @@ class RequestDriver:
 
     def deliver(self, item: TokenEvent | WorkerLost) -> None:
         self.inbox.put_nowait(item)
+
+    def abandon(self) -> None:
+        """Stop following the request without cancelling it: it keeps running on its workers,
+        and the controller adopts it once this router's heartbeat lapses."""
+        self.abandoned = True
+        if self.task is not None:
+            self.task.cancel()
 
     # -- the attempts -----------------------------------------------------------------------
     async def run(self, adopted: bool = False) -> None:
@@ -102,8 +110,9 @@ class RequestDriver:
                         return
                     self._replay_starts(f.reason)
         except asyncio.CancelledError:
-            await self._clean_up()
-            self._end(Status.OK, "cancelled")
+            if not self.abandoned:
+                await self._clean_up()
+                self._end(Status.OK, "cancelled")
             raise
         except Exception as e:  # a bug here must still end the stream and the record
             log.exception("request %s: driver failed", self.request_id)
@@ -301,9 +310,10 @@ class RequestDriver:
 
     # -- adopted requests -----------------------------------------------------------------
     async def _watch(self) -> bool:
-        """An adopted request: True once it ended where it ran; False if it must be replayed
-        (its decode worker is gone or no longer runs it)."""
+        """An adopted request: True once it ended where it ran; False if it must be run again
+        here (its workers are gone or no longer have it)."""
         router = self.router
+        gone_since: float | None = None
         while True:
             try:
                 rec = await router.read_record(self.request_id)
@@ -313,34 +323,50 @@ class RequestDriver:
             if rec is None or rec.state.terminal:
                 self.stream.end(Status.OK, rec.finish_reason if rec else "error")
                 return True
-            w = router.directory.get(rec.decode) if rec.decode else None
-            held = False
-            if w is not None and w.alive:
-                try:
-                    held = await router.call(w, w.handle.holds.remote(self.request_id, rec.attempt))
-                except AttemptFailed:
-                    held = False
-            if not held:
-                try:
-                    tokens = await router.read_tokens(self.request_id)
-                except RouterError:
-                    continue
-                self.stream = RequestStream.open(
-                    self.request_id, router.tokenizer, self.spec.sampling.stop, tokens
-                )
-                self.attempt = rec.attempt
-                self.decode = rec.decode
-                self.failures = list(rec.failures)
-                if rec.attempt == 0:  # its router died before it began: no replay, a start
-                    log.warning("request %s: starting it (its router is gone)", self.request_id)
-                    return False
-                cause = f"{rec.decode or 'its worker'} no longer runs it (its router is gone)"
-                self.failures.append(f"attempt {rec.attempt}: {cause}")
-                self._replay_starts(cause)
-                return False
-            try:
-                item = await asyncio.wait_for(self.inbox.get(), 1.0)
-            except TimeoutError:
+            if rec.attempt and await self._still_running(rec):
+                gone_since = None
+                try:  # news of its workers' deaths, or a second, then look again
+                    await asyncio.wait_for(self.inbox.get(), 1.0)
+                except TimeoutError:
+                    pass
                 continue
-            if isinstance(item, WorkerLost) and item.name == rec.decode:
-                continue  # the next turn finds it gone and replays
+            # Not running any more: either it failed, or it has just ended and its end is not
+            # in the log yet. Look twice, a second apart, before running it again.
+            if rec.attempt and gone_since is None:
+                gone_since = time.monotonic()
+                await asyncio.sleep(1.0)
+                continue
+            try:
+                tokens = await router.read_tokens(self.request_id)
+            except RouterError:
+                continue
+            self.stream = RequestStream.open(
+                self.request_id, router.tokenizer, self.spec.sampling.stop, tokens
+            )
+            self.attempt, self.failures = rec.attempt, list(rec.failures)
+            self.prefill, self.decode = rec.prefill or None, rec.decode or None
+            await self._clean_up()  # whatever the old attempt still holds
+            if rec.attempt == 0:  # its router died before it began: a start, not a replay
+                log.warning("request %s: starting it (its router is gone)", self.request_id)
+                return False
+            cause = f"{rec.decode or 'its worker'} no longer runs it (its router is gone)"
+            self.failures.append(f"attempt {rec.attempt}: {cause}")
+            self._replay_starts(cause)
+            return False
+
+    async def _still_running(self, rec) -> bool:
+        """Its attempt is generating on its decode worker, or on its way there (prefilling,
+        or its KV being pushed to a reservation)."""
+        phases = {}
+        for name in (rec.decode, rec.prefill):
+            w = self.router.directory.get(name) if name else None
+            if w is None or not w.alive:
+                continue
+            try:
+                phases[w.pool] = await self.router.call(
+                    w, w.handle.phase.remote(self.request_id, rec.attempt)
+                )
+            except AttemptFailed:
+                continue
+        decode, prefill = phases.get(Pool.DECODE, ""), phases.get(Pool.PREFILL, "")
+        return decode == "running" or (decode == "reserved" and prefill != "")

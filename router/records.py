@@ -24,6 +24,8 @@ from workers.messages import Status
 
 log = logging.getLogger(__name__)
 _KEEP_ENDED_S = 60.0
+# What a store raises when it cannot be reached (see router/store.py), and our own timeout.
+AWAY = (ConnectionError, TimeoutError)
 _RETRY_S = 0.5
 
 
@@ -71,7 +73,7 @@ class Records:
             raise self._unreachable(ConnectionError("it did not answer the last call"))
         try:
             created = await self._call(self.store.create(rec))
-        except Exception as e:
+        except AWAY as e:
             self._went_down(e)
             raise self._unreachable(e) from None
         if not created:
@@ -96,7 +98,7 @@ class Records:
             raise RouterError(Status.UNAVAILABLE, "this router runs without a request store")
         try:
             return await self._call(make())
-        except Exception as e:
+        except AWAY as e:
             self._went_down(e)
             raise self._unreachable(e) from None
 
@@ -119,9 +121,11 @@ class Records:
                 what, make = self._queue[0]
                 try:
                     await self._call(make())
-                except Exception as e:
+                except AWAY as e:
                     self._went_down(e)
                     break
+                except Exception:  # a bug, not an outage: say so, and do not wedge the queue
+                    log.exception("request store write %r failed; dropped", what)
                 self._queue.popleft()
 
     async def watch_forever(self, interval_s: float = _RETRY_S) -> None:
@@ -137,7 +141,7 @@ class Records:
             return
         try:
             identity = await self._call(self.store.ping())
-        except Exception as e:
+        except AWAY as e:
             self._went_down(e)
             return
         restarted = self.identity is not None and identity != self.identity
@@ -145,7 +149,7 @@ class Records:
         if restarted:
             try:
                 await self._restore()
-            except Exception as e:
+            except AWAY as e:
                 self._went_down(e)
                 return
         if self.down_since is not None:

@@ -2,8 +2,9 @@
 every accepted request, its token log, and the leases and heartbeats that let several routers
 share a cluster. The router depends on this interface only; the cluster injects the store.
 
-Every method may raise the store's connection or timeout error; none waits longer than the
-store's own timeout (G6). Writes are idempotent, so a write that failed may be sent again.
+A store that cannot be reached raises the builtin ConnectionError (or TimeoutError); none
+waits longer than the store's own timeout (G6). Writes are idempotent, so a write that failed
+may be sent again.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class BeginResult(str, enum.Enum):
     MISSING = "missing"  # no record: the store lost it (restore it)
     ENDED = "ended"  # already terminal
     NOT_OWNER = "not_owner"  # another router drives the request now
-    STALE = "stale"  # an attempt this new or newer was already begun
+    STALE = "stale"  # a newer attempt was already begun
 
 
 class RequestStore(Protocol):

