@@ -192,13 +192,18 @@ def summarize(records: list[dict], duration: float, slo_ttft: float, slo_tpot: f
 
 # -- systems ---------------------------------------------------------------------------------
 async def run_tandem(
-    system: str, model_dir: Path, trace: list[dict], data_dir: Path, prefill_threads: int
+    system: str,
+    model_dir: Path,
+    trace: list[dict],
+    data_dir: Path,
+    prefill_threads: int,
+    dtype: str = "bfloat16",
 ) -> tuple:
     from cluster import config_io
     from cluster.cluster import Cluster
     from cluster.config import ClusterConfig
 
-    engine = dict(model=str(model_dir), dtype="bfloat16", kv_cache_gb=1.0, max_num_seqs=64)
+    engine = dict(model=str(model_dir), dtype=dtype, kv_cache_gb=1.0, max_num_seqs=64)
     per_system = {
         "tandem-disagg": dict(
             mode="disaggregated",
@@ -230,7 +235,9 @@ async def run_tandem(
         await cluster.stop()
 
 
-async def run_vllm(vllm_python: Path, model_dir: Path, trace: list[dict]) -> tuple:
+async def run_vllm(
+    vllm_python: Path, model_dir: Path, trace: list[dict], dtype: str = "bfloat16"
+) -> tuple:
     from cluster.redis_server import free_port
 
     port = free_port()
@@ -245,7 +252,7 @@ async def run_vllm(vllm_python: Path, model_dir: Path, trace: list[dict]) -> tup
         "--host",
         "127.0.0.1",
         "--dtype",
-        "bfloat16",
+        dtype,
         "--max-model-len",
         "4096",
         "--max-num-seqs",
@@ -358,10 +365,15 @@ async def amain(args) -> None:
                     if not args.vllm_python.is_file():
                         summaries[system] = {"skipped": f"no vLLM at {args.vllm_python}"}
                         break
-                    records, t0 = await run_vllm(args.vllm_python, model_dir, trace)
+                    records, t0 = await run_vllm(args.vllm_python, model_dir, trace, args.dtype)
                 else:
                     records, t0 = await run_tandem(
-                        system, model_dir, trace, RESULTS / f"data-{system}", args.prefill_threads
+                        system,
+                        model_dir,
+                        trace,
+                        RESULTS / f"data-{system}",
+                        args.prefill_threads,
+                        args.dtype,
                     )
             except Exception as e:
                 log(f"[{system}] failed: {e}")
@@ -442,6 +454,12 @@ def main() -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=150.0)
     p.add_argument("--runs", type=int, default=1)
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="float32 on CPUs without native bf16 (no AVX512-BF16/AMX), where bf16 is slower",
+    )
     p.add_argument(
         "--prefill-threads",
         type=int,

@@ -69,6 +69,7 @@ class PoolManager:
         self._spawn_failed_at = {p: 0.0 for p in Pool}
         self._listeners: list[Listener] = []
         self._discovering: set[str] = set()  # named actors found, not yet answering
+        self.control = True  # may stop workers: until a controller lease says otherwise
 
     # -- the directory ----------------------------------------------------------------------
     def members(self, pool: Pool, include_dead: bool = False) -> list[WorkerRef]:
@@ -109,10 +110,15 @@ class PoolManager:
         log.warning("%s is dead: %s", name, why)
         self._notify(PoolEvent.DEAD, w)
         self._forget_peer(w)
+        if not self.control:
+            return
         try:  # a hung actor must not come back as a zombie
             ray.kill(w.handle, no_restart=True)
         except Exception as e:  # already gone
             log.debug("kill of %s: %s", name, e)
+
+    def set_control(self, control: bool) -> None:
+        self.control = control
 
     def _forget_peer(self, w: WorkerRef) -> None:
         """Tell the other pool to close its KV pairs with a worker that is gone."""

@@ -109,6 +109,19 @@ end
 return 1
 """
 
+# KEYS: hash, active set. ARGV: request id, owner, status, error, now, ttl.
+# A create the router gave up on may land later: end it if it did, and it is still untouched.
+_VOID = """
+if redis.call('HGET', KEYS[1], 'state') ~= 'QUEUED' then return 0 end
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2] then return 0 end
+if redis.call('HGET', KEYS[1], 'attempt') ~= '0' then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'FAILED', 'status', ARGV[3], 'error', ARGV[4],
+           'updated', ARGV[5])
+redis.call('EXPIRE', KEYS[1], ARGV[6])
+redis.call('SREM', KEYS[2], ARGV[1])
+return 1
+"""
+
 # KEYS: hash. ARGV: old owner, new owner.
 _CLAIM = """
 local st = redis.call('HGET', KEYS[1], 'state')
@@ -247,6 +260,7 @@ class RedisStore:
         self._claim = self.r.register_script(_CLAIM)
         self._lease = self.r.register_script(_LEASE)
         self._raise = self.r.register_script(_RAISE)
+        self._void = self.r.register_script(_VOID)
 
     @property
     def where(self) -> str:
@@ -261,6 +275,11 @@ class RedisStore:
     async def create(self, rec: RequestRecord) -> bool:
         rid = rec.request_id
         return bool(await self._create(keys=[key(rid), ACTIVE], args=[rid, *_flat(_fields(rec))]))
+
+    @_reachable
+    async def void(self, rid: str, owner: str, status: Status, error: str) -> bool:
+        args = [rid, owner, status.value, error, str(time.time()), self.ttl_s]
+        return bool(await self._void(keys=[key(rid), ACTIVE], args=args))
 
     @_reachable
     async def restore(self, rec: RequestRecord, tokens: list[int]) -> None:

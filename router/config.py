@@ -30,7 +30,11 @@ class RouterConfig:
         default=0.5, metadata=_h("how often worker loads and liveness are refreshed")
     )
     stall_timeout_s: float = field(
-        default=120.0, metadata=_h("an attempt with no token for this long is given up")
+        default=120.0,
+        metadata=_h(
+            "an attempt with no token for this long is given up, and a worker whose engine "
+            "step has run this long is marked dead (hung)"
+        ),
     )
     replay: bool = field(
         default=True, metadata=_h("replay a request whose worker failed on another worker")

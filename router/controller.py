@@ -70,6 +70,7 @@ class Controller:
                     self.leader_address = (await store.live_routers()).get(holder or "")
             except (ConnectionError, TimeoutError) as e:  # store away: keep the role we had
                 log.debug("controller: store unreachable (%s)", e)
+        router.directory.set_control(self.leader)
         if self.leader:
             if not was_leader:  # new in the role: see the pools as they are before healing
                 await router.directory.refresh()

@@ -161,8 +161,9 @@ class Router:
                 log.exception("status refresh failed")
 
     async def refresh_loads(self) -> None:
-        """Every worker's load, and its liveness: a worker whose status call fails as dead,
-        or that misses `heartbeat_misses` calls in a row, is marked dead."""
+        """Every worker's load, and its liveness: a worker whose status call says it is dead,
+        that misses three calls in a row, or whose engine step has run for stall_timeout_s
+        (hung) is marked dead."""
         workers = [*self.directory.members(Pool.PREFILL), *self.directory.members(Pool.DECODE)]
         results = await asyncio.gather(
             *(self._status_of(w) for w in workers), return_exceptions=True
@@ -179,6 +180,11 @@ class Router:
                     )
                 continue
             w.missed_heartbeats = 0
+            if s.stalled_s > self.config.stall_timeout_s:
+                self.directory.mark_dead(
+                    w.name, f"its engine step has been running for {s.stalled_s:.0f} s (hung)"
+                )
+                continue
             load = self.loads.setdefault(w.name, WorkerLoad(w.name))
             load.kv_blocks_free = s.kv_blocks_free
             load.running = s.running + s.waiting + s.reserved
@@ -217,7 +223,8 @@ class Router:
     def reserved(self, name: str, num_blocks: int) -> None:
         load = self.loads.get(name)
         if load is not None:
-            load.kv_blocks_free -= num_blocks
+            if load.kv_blocks_free is not None:
+                load.kv_blocks_free -= num_blocks
             load.running += 1
 
     def queue_prefill(self, name: str, tokens: int) -> None:

@@ -50,7 +50,11 @@ class WorkerDirectory(Protocol):
         """Called on the event loop with every ADDED, DEAD or REMOVED worker."""
 
     def mark_dead(self, name: str, why: str) -> None:
-        """A call to the worker failed in a way that means it is gone."""
+        """The worker is gone (or hung): stop using it. Under control, also make sure it is
+        gone (a hung worker must not come back as a zombie)."""
+
+    def set_control(self, control: bool) -> None:
+        """This router holds the controller lease (it may stop workers), or no longer does."""
 
     def starting(self, pool: Pool) -> int:
         """Workers of the pool being started now (a scale-up or a replacement)."""

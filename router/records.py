@@ -1,7 +1,8 @@
 """The router's side of the request store, kept off every request's critical path:
 
 - `create` must reach the store: while it is unreachable, new requests get UNAVAILABLE with a
-  message that says so;
+  message that says so (and should the unanswered create land after all, a queued write
+  ends that record as FAILED, as its caller was told);
 - every other write (an attempt begins, a request ends) is queued and written, in order, by
   one background task; while the store is unreachable the queue waits and streams go on;
 - the store's identity is watched: when it comes back as a new process (a restart that may
@@ -75,7 +76,14 @@ class Records:
             created = await self._call(self.store.create(rec))
         except AWAY as e:
             self._went_down(e)
-            raise self._unreachable(e) from None
+            err = self._unreachable(e)
+            # The create may still land (it sat in a socket buffer): once the store is back,
+            # end that record as the caller was told, or nobody ever would.
+            self.write(
+                f"void {rec.request_id}",
+                lambda: self.store.void(rec.request_id, rec.owner, err.status, err.message),
+            )
+            raise err from None
         if not created:
             raise RouterError(Status.ALREADY_EXISTS, f"request id {rec.request_id} was used before")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 @dataclass
 class WorkerLoad:
     name: str
-    kv_blocks_free: int = 0
+    kv_blocks_free: int | None = None  # None: not reported yet (the worker just joined)
     running: int = 0
     queued_tokens: int = 0  # prefill: prompt tokens sent and not yet prefilled
     alive: bool = True
@@ -46,9 +46,18 @@ class RoutingPolicy:
         self._affinity_entries = affinity_entries
 
     def decode_candidates(self, loads: list[WorkerLoad]) -> list[WorkerLoad]:
-        """Available decode workers, best first."""
+        """Available decode workers, best first. One that has not reported its room yet
+        counts as the roomiest: it refuses what it cannot hold, and left at zero a new
+        worker would be passed over for a whole burst of arrivals."""
         ok = [w for w in loads if w.available]
-        return sorted(ok, key=lambda w: -(w.kv_blocks_free - self.running_penalty * w.running))
+        known = [w.kv_blocks_free for w in ok if w.kv_blocks_free is not None]
+        roomiest = max(known, default=0)
+
+        def score(w: WorkerLoad) -> int:
+            free = roomiest if w.kv_blocks_free is None else w.kv_blocks_free
+            return free - self.running_penalty * w.running
+
+        return sorted(ok, key=score, reverse=True)
 
     def pick_prefill(self, loads: list[WorkerLoad], prompt_ids: list[int]) -> WorkerLoad | None:
         ok = [w for w in loads if w.available]

@@ -66,6 +66,10 @@ class RequestStore(Protocol):
     async def create(self, rec: RequestRecord) -> bool:
         """Write a new QUEUED record; False if the id exists."""
 
+    async def void(self, rid: str, owner: str, status: Status, error: str) -> bool:
+        """End as FAILED a record `owner` created and never began: for a create that went
+        unanswered, and was refused, but may have landed. False if there is no such record."""
+
     async def restore(self, rec: RequestRecord, tokens: list[int]) -> None:
         """Put back a record the store lost (after a restart), with its tokens so far."""
 

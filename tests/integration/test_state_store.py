@@ -3,6 +3,7 @@ repeats, fenced attempts, lost records), terminal records, ownership and leases,
 of the embedded server from its AOF, and Redis URLs with a password."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -29,6 +30,27 @@ def server(tmp_path_factory):
 
 def run(coro):
     return asyncio.run(coro)
+
+
+@contextlib.contextmanager
+def redis_server(tmp_path, url: str, *args: str):
+    """A redis-server of its own with these arguments, answering at `url`."""
+    proc = subprocess.Popen(
+        ["redis-server", "--save", "", *args], stdout=subprocess.DEVNULL, cwd=tmp_path
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis.from_url(url).ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def record(rid, owner="router-a"):
@@ -118,6 +140,30 @@ def test_ownership_leases_and_a_router_end(server):
     assert run(with_store(server.url, go))
 
 
+def test_a_create_that_landed_after_it_was_refused_is_voided(server):
+    """The router refused a request when its create went unanswered; had the create landed
+    after all, `void` ends that record as FAILED, and never a record someone else drives."""
+
+    async def go(store):
+        await store.create(record("late"))
+        assert await store.void("late", "router-a", Status.UNAVAILABLE, "store away")
+        rec = await store.get("late")
+        assert rec.state is RecordState.FAILED and rec.status is Status.UNAVAILABLE
+        assert rec.error == "store away"
+        assert not await store.void("never-created", "router-a", Status.UNAVAILABLE, "")
+        assert await store.get("never-created") is None
+        await store.create(record("begun"))
+        assert await store.begin_attempt("begun", 1, "router-a", "p0", "d0", "") is BeginResult.OK
+        assert not await store.void("begun", "router-a", Status.UNAVAILABLE, "")
+        await store.create(record("theirs", owner="router-b"))
+        assert not await store.void("theirs", "router-a", Status.UNAVAILABLE, "")
+        assert (await store.get("theirs")).state is RecordState.QUEUED
+        active = set(await store.active())
+        return "late" not in active and {"begun", "theirs"} <= active
+
+    assert run(with_store(server.url, go))
+
+
 def test_the_embedded_server_restarts_from_its_aof(server):
     async def write(store):
         await store.create(record("c"))
@@ -130,12 +176,13 @@ def test_the_embedded_server_restarts_from_its_aof(server):
     os.kill(old_pid, signal.SIGKILL)
     client = redis.Redis.from_url(server.url, socket_timeout=1)
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline:  # answering, and the watchdog has counted it
         try:
-            if client.ping():
+            if client.ping() and server.restarts >= 1:
                 break
         except redis.RedisError:
-            time.sleep(0.1)
+            pass
+        time.sleep(0.1)
     assert server.pid != old_pid and server.restarts >= 1
     rec = run(with_store(server.url, lambda s: s.get("c")))
     assert rec is not None and rec.attempt == 1 and rec.state is RecordState.RUNNING
@@ -143,28 +190,12 @@ def test_the_embedded_server_restarts_from_its_aof(server):
 
 def test_a_password_protected_redis_and_its_url(tmp_path):
     port = free_port()
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--requirepass", "s3cret", "--save", ""],
-        stdout=subprocess.DEVNULL,
-        cwd=tmp_path,
-    )
-    try:
-        url = f"redis://:s3cret@127.0.0.1:{port}/0"
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis.from_url(url).ping()
-                break
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+    url = f"redis://:s3cret@127.0.0.1:{port}/0"
+    with redis_server(tmp_path, url, "--port", str(port), "--requirepass", "s3cret"):
         assert redact(url) == f"redis://:***@127.0.0.1:{port}/0"
         assert run(with_store(url, lambda s: s.create(record("p"))))
         with pytest.raises(ConnectionError, match="AuthenticationError"):  # says why
             run(with_store(f"redis://127.0.0.1:{port}/0", lambda s: s.create(record("q"))))
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_a_tls_redis_through_a_rediss_url(tmp_path):
@@ -194,44 +225,12 @@ def test_a_tls_redis_through_a_rediss_url(tmp_path):
         capture_output=True,
     )
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            "0",
-            "--tls-port",
-            str(port),
-            "--tls-cert-file",
-            str(cert),
-            "--tls-key-file",
-            str(key_file),
-            "--tls-ca-cert-file",
-            str(cert),
-            "--tls-auth-clients",
-            "no",
-            "--requirepass",
-            "pw",
-            "--save",
-            "",
-        ],
-        stdout=subprocess.DEVNULL,
-        cwd=tmp_path,
-    )
-    try:
-        url = f"rediss://:pw@127.0.0.1:{port}/0?ssl_ca_certs={cert}"
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis.from_url(url).ping()
-                break
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+    url = f"rediss://:pw@127.0.0.1:{port}/0?ssl_ca_certs={cert}"
+    tls = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert)]
+    tls += ["--tls-key-file", str(key_file), "--tls-ca-cert-file", str(cert)]
+    with redis_server(tmp_path, url, *tls, "--tls-auth-clients", "no", "--requirepass", "pw"):
         assert "pw" not in redact(url)
         assert run(with_store(url, lambda s: s.create(record("tls"))))
         run(with_store(url, lambda s: s.begin_attempt("tls", 1, "router-a", "p", "d", "")))
         ack = RedisTokenLog(url).write([LogWrite("tls", 1, 0, (1, 2, 3))])[0]
         assert ack.result is LogResult.OK and ack.length == 3
-    finally:
-        proc.kill()
-        proc.wait()

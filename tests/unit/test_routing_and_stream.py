@@ -20,6 +20,12 @@ def test_decode_prefers_free_blocks_and_skips_draining():
         WorkerLoad("d2", kv_blocks_free=500, draining=True),
     ]
     assert [w.name for w in p.decode_candidates(loads)] == ["d1", "d0"]
+    # A worker that just joined and has not reported yet is tried, not starved: it ranks
+    # with the roomiest, less its own running penalty.
+    fresh = WorkerLoad("d3")
+    assert [w.name for w in p.decode_candidates([*loads, fresh])] == ["d3", "d1", "d0"]
+    fresh.running = 3
+    assert [w.name for w in p.decode_candidates([*loads, fresh])] == ["d1", "d3", "d0"]
 
 
 def test_prefill_affinity_within_slack_else_least_loaded():
