@@ -32,6 +32,38 @@ def test_noise_is_uniform_and_a_pure_function_of_seed_and_counter():
     assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
 
 
+def test_noise_never_reaches_zero_or_one_over_millions_of_draws():
+    """Every value of the noise for 2,000 (seed, position) pairs over a 49,152-token
+    vocabulary (98 million): none may be 0 or 1, where -log(u) would be inf or 0 and the
+    Gumbel-max draw would pick a token whatever its probability."""
+    lo, hi = 1.0, 0.0
+    for start in range(0, 2000, 100):
+        seeds = torch.arange(start, start + 100, dtype=torch.long) * 7919 + (1 << 40)
+        counters = torch.arange(start, start + 100, dtype=torch.long) % 997
+        u = uniform_noise(seeds, counters, 49152)
+        lo, hi = min(lo, u.min().item()), max(hi, u.max().item())
+        assert torch.isfinite(-torch.log(u)).all() and (-torch.log(u) > 0).all()
+    assert 0 < lo and hi < 1
+    assert lo == 2.0**-24 and hi == 1 - 2.0**-24  # the grid's ends are reached, not passed
+
+
+def test_a_draw_never_leaves_the_support_of_its_filters():
+    """3,000 seeded first-token draws over a real-sized vocabulary: with top_k=20 or a
+    nucleus, every token is inside the support (the exact noise's whole point)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(49152, generator=gen) * 3
+    top20 = set(logits.topk(20).indices.tolist())
+    probs = logits.softmax(-1)
+    sorted_p, order = probs.sort(descending=True)
+    nucleus = set(order[: int((sorted_p.cumsum(0) - sorted_p < 0.8).sum())].tolist())
+    for start in range(0, 3000, 250):
+        seeds = list(range(start, start + 250))
+        rows = logits.expand(250, -1).contiguous()
+        k = sample(rows, tensors(250, top_k=20, seeds=seeds)).token_ids.tolist()
+        p = sample(rows, tensors(250, top_p=0.8, seeds=seeds)).token_ids.tolist()
+        assert set(k) <= top20 and set(p) <= nucleus
+
+
 def test_same_seed_same_draw_whatever_the_batch():
     logits = torch.randn(4, 1000)
     alone = sample(logits[2:3], tensors(1, seeds=[42], counters=[5])).token_ids

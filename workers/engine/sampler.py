@@ -44,13 +44,18 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[N, vocab] uniforms in (0, 1), a pure function of (seed, counter, vocab index)."""
+    """[N, vocab] uniforms strictly inside (0, 1), on a grid of 2**23 points: a pure
+    function of (seed, counter, vocab index)."""
     vocab_ids = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
     s = _fmix32((seeds & _MASK32) ^ _fmix32((seeds >> 32) & _MASK32))
     row = _fmix32(s ^ _fmix32((counters * 0x9E3779B1) & _MASK32))
     x = _fmix32((row[:, None] + vocab_ids[None, :] * 0x27D4EB2F) & _MASK32)
     x = _fmix32(x ^ (row[:, None] >> 7))
-    return (x.float() + 0.5) * (1.0 / 4294967296.0)
+    # The top 23 bits k give (2k + 1) / 2**24: odd numbers below 2**24 over a power of two,
+    # each exact in float32, so the noise lies in [2**-24, 1 - 2**-24] and never rounds to
+    # 0 or 1 (more bits would: (x + 0.5) / 2**32 rounds to 1.0 for x near 2**32, and
+    # -log(1.0) = 0 makes p / 0 win the argmax whatever p is).
+    return ((x >> 9).float() + 0.5) * (1.0 / 8388608.0)
 
 
 def _apply_filters(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
