@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import select
 import signal
 import statistics
 import subprocess
@@ -32,41 +31,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, ROOT, export_default_model, log, print_table  # noqa: E402
-from benchmarks.serving import load_trace  # noqa: E402
-
-
-def start_router(argv: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
-    logf = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", *argv],
-        stdout=subprocess.PIPE,
-        stderr=logf,
-        text=True,
-        cwd=ROOT,
-    )
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{argv[0]} exited; see {log_path}")
-        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
-        if ready and (line := proc.stdout.readline()).startswith("tandem serving on "):
-            return proc, line.split()[3]
-    proc.kill()
-    raise RuntimeError(f"{argv[0]} did not start; see {log_path}")
-
-
-async def status(address: str) -> dict:
-    from router.client import TandemClient, status_to_dict
-
-    client = TandemClient(address)
-    try:
-        return status_to_dict(await client.status())
-    finally:
-        await client.close()
+from benchmarks.serving import load_trace, trace_request  # noqa: E402
+from cluster.cli_up import spawn  # noqa: E402
+from router.client import fetch_status  # noqa: E402
 
 
 async def run_trace(addresses: list[str], trace: list[dict], t0: float, paced: bool) -> list[dict]:
-    from router.api import tandem_pb2 as pb
     from router.client import TandemClient
 
     client = TandemClient(addresses)
@@ -76,13 +46,7 @@ async def run_trace(addresses: list[str], trace: list[dict], t0: float, paced: b
             await asyncio.sleep(max(0.0, t0 + r["at"] - time.perf_counter()))
         start = time.perf_counter()
         times: list[float] = []
-        msg = pb.GenerateRequest(
-            request_id=f"chaos-{int(t0)}-{i}",
-            prompt_ids=r["prompt_ids"],
-            sampling=pb.SamplingParams(
-                max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True
-            ),
-        )
+        msg = trace_request(r, f"chaos-{int(t0)}-{i}")
         res = await client.generate(
             msg,
             timeout_s=900,
@@ -107,7 +71,7 @@ async def run_trace(addresses: list[str], trace: list[dict], t0: float, paced: b
 
 async def strike(kind: str, at: float, t0: float, procs: dict, addr_b: str, out: list) -> None:
     await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-    s = await status(addr_b)
+    s = await fetch_status(addr_b)
     if kind == "decode":
         victim = max((w for w in s["decode"] if w["alive"]), key=lambda w: w["running"])
         name, pid = victim["name"], victim["pid"]
@@ -117,7 +81,7 @@ async def strike(kind: str, at: float, t0: float, procs: dict, addr_b: str, out:
     else:
         name, pid = "router A", procs["a"].pid
         try:  # what A measured of the earlier kills, before it goes
-            out.append({"router_a": (await status(procs["addr_a"]))["router"]})
+            out.append({"router_a": (await fetch_status(procs["addr_a"]))["router"]})
         except Exception as e:  # it may already be unreachable
             log(f"could not read router A's status: {e}")
     os.kill(pid, signal.SIGKILL)
@@ -200,8 +164,10 @@ async def amain(args) -> dict:
         gcs = ray.get_runtime_context().gcs_address
         common = ["--ray-address", gcs, "--redis-url", redis.url, "--port", "0"]
         up = ["up", *common, "--model", str(model_dir), "--dtype", args.dtype, "--decode", "2"]
-        procs["a"], procs["addr_a"] = start_router(up, data.parent / "chaos-router-a.log")
-        procs["b"], addr_b = start_router(["router", *common], data.parent / "chaos-router-b.log")
+        procs["a"], procs["addr_a"] = spawn(up, data.parent / "chaos-router-a.log", cwd=ROOT)
+        procs["b"], addr_b = spawn(
+            ["router", *common], data.parent / "chaos-router-b.log", cwd=ROOT
+        )
         addresses = [procs["addr_a"], addr_b]
         log("[chaos] reference run (no fault, all requests at once)")
         reference = await run_trace(addresses, trace, time.perf_counter(), paced=False)
@@ -215,7 +181,7 @@ async def amain(args) -> dict:
         records = await run_trace(addresses, trace, t0, paced=True)
         await asyncio.gather(*strikes)
         failures = await read_failures(redis.url, [r["id"] for r in records])
-        final = await status(addr_b)
+        final = await fetch_status(addr_b)
     finally:
         for p in (procs.get("a"), procs.get("b")):
             if p is not None and p.poll() is None:

@@ -72,8 +72,15 @@ def load_trace(
 
 
 # -- clients: each returns per-request records {ok, ttft, e2e, chunks: [(t, n_tokens)]} --------
-async def run_grpc(address: str, trace: list[dict], t0: float) -> list[dict]:
+def trace_request(r: dict, request_id: str = ""):
+    """A trace row as a Generate call: greedy, EOS ignored (every system makes max_tokens)."""
     from router.api import tandem_pb2 as pb
+
+    sampling = pb.SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
+    return pb.GenerateRequest(request_id=request_id, prompt_ids=r["prompt_ids"], sampling=sampling)
+
+
+async def run_grpc(address: str, trace: list[dict], t0: float) -> list[dict]:
     from router.client import TandemClient
 
     client = TandemClient(address)
@@ -82,14 +89,8 @@ async def run_grpc(address: str, trace: list[dict], t0: float) -> list[dict]:
         await asyncio.sleep(max(0.0, t0 + r["at"] - time.perf_counter()))
         start = time.perf_counter()
         chunks = []
-        msg = pb.GenerateRequest(
-            prompt_ids=r["prompt_ids"],
-            sampling=pb.SamplingParams(
-                max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True
-            ),
-        )
         res = await client.generate(
-            msg,
+            trace_request(r),
             timeout_s=600,
             on_chunk=lambda m: (
                 chunks.append((time.perf_counter(), len(m.token_ids))) if m.token_ids else None

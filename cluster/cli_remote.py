@@ -54,16 +54,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 async def _status(args) -> int:
     import grpc
 
-    from router.client import TandemClient, status_to_dict
+    from router.client import fetch_status
 
-    client = TandemClient(args.address, args.token)
     try:
-        s = status_to_dict(await client.status())
+        s = await fetch_status(args.address, args.token)
     except grpc.aio.AioRpcError as e:
         print(f"tandem status: {args.address}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
-    finally:
-        await client.close()
     if args.json:
         print(json.dumps(s))
         return 0

@@ -6,8 +6,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import select
 import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
+
+# What `tandem up` and `tandem router` print on stdout once they serve: then the address.
+SERVING = "tandem serving on "
 
 
 def add_up_parser(sub) -> None:
@@ -93,9 +100,32 @@ async def _serve(cfg, join: bool) -> int:
             "Ray dashboard: http://127.0.0.1:8265 (it asks for Ray's token: "
             "`ray get-auth-token` prints it)"
         )
-    print(f"tandem serving on {cluster.address} ({cluster.cfg.mode}); Ctrl-C to stop", flush=True)
+    print(f"{SERVING}{cluster.address} ({cluster.cfg.mode}); Ctrl-C to stop", flush=True)
     await stop.wait()
     say("shutting down")
     await cluster.stop()
     say("stopped")
     return 0
+
+
+def spawn(argv: list[str], log_path: Path, timeout_s: float = 600.0, cwd=None):
+    """Run `tandem ARGV` (up or router) in a process of its own, its stderr to `log_path`;
+    return the process and its address once it serves. RuntimeError if it exits or does not
+    serve within timeout_s (then it is killed)."""
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        cwd=cwd,
+    )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tandem {argv[0]} exited with {proc.returncode}; see {log_path}")
+        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+        if ready and (line := proc.stdout.readline()).startswith(SERVING):
+            return proc, line[len(SERVING) :].split()[0]
+    proc.kill()
+    raise RuntimeError(f"tandem {argv[0]} did not serve within {timeout_s:.0f} s; see {log_path}")

@@ -22,7 +22,7 @@ from router.convert import status_to_dict
 from workers.completion import Completion, GenerationRequest
 from workers.engine.request import SamplingParams
 
-__all__ = ["TandemClient", "StreamResult", "to_proto", "status_to_dict"]
+__all__ = ["TandemClient", "StreamResult", "to_proto", "status_to_dict", "fetch_status"]
 FINAL_KEY = "tandem-final"  # trailing metadata on every status a router decides
 
 
@@ -176,6 +176,16 @@ class TandemClient:
 
     async def status(self) -> pb.StatusResponse:
         return await self.admin.Status(pb.StatusRequest(), timeout=30, metadata=self.metadata)
+
+
+async def fetch_status(address: str, token: str | None = None) -> dict:
+    """One router's `Admin.Status` as `tandem status --json` prints it, on a channel of its
+    own."""
+    client = TandemClient(address, token)
+    try:
+        return status_to_dict(await client.status())
+    finally:
+        await client.close()
 
 
 def _router_decided(e: grpc.aio.AioRpcError) -> bool:

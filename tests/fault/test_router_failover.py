@@ -8,41 +8,19 @@ those requests and replays them from the token log."""
 
 import asyncio
 import os
-import select
 import signal
 import subprocess
-import sys
-import time
 
 import pytest
 import ray
 
+from cluster.cli_up import spawn
 from cluster.redis_server import EmbeddedRedis
-from router.client import TandemClient, status_to_dict, to_proto
+from router.client import TandemClient, fetch_status, to_proto
 from tests.fault.faults import assert_clean, assert_whole, kill, run_with_fault, wait_for, workload
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.timeout(900)]
 REQUESTS = workload(12, max_tokens=80, sampled=0)
-
-
-def start_router(argv: list[str], log_path) -> tuple[subprocess.Popen, str]:
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", *argv],
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-    )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"{argv[0]} exited: see {log_path}"
-        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
-        if ready:
-            line = proc.stdout.readline()
-            if line.startswith("tandem serving on "):
-                return proc, line.split()[3]
-    proc.kill()
-    raise AssertionError(f"{argv[0]} did not start: see {log_path}")
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +32,7 @@ def routers(tmp_path_factory):
     procs = []
     try:
         common = ["--ray-address", gcs, "--redis-url", redis.url, "--port", "0"]
-        a, addr_a = start_router(
+        a, addr_a = spawn(
             [
                 "up",
                 *common,
@@ -72,7 +50,7 @@ def routers(tmp_path_factory):
             tmp / "router-a.log",
         )
         procs.append(a)
-        b, addr_b = start_router(["router", *common], tmp / "router-b.log")
+        b, addr_b = spawn(["router", *common], tmp / "router-b.log")
         procs.append(b)
         yield {"a": a, "b": b, "addr_a": addr_a, "addr_b": addr_b, "redis": redis}
     finally:
@@ -106,7 +84,7 @@ def test_router_killed_mid_stream_clients_resume_on_another(routers):
     assert all(r.resumes >= 1 for r in results), "a stream did not move to router B"
 
     def status():
-        return asyncio.run(status_of(routers["addr_b"]))
+        return asyncio.run(fetch_status(routers["addr_b"]))
 
     s = wait_for(
         lambda: (st := status())["router"]["controller"] and st,
@@ -116,14 +94,6 @@ def test_router_killed_mid_stream_clients_resume_on_another(routers):
     assert s["pools"]["decode"]["live"] == 2 and s["pools"]["prefill"]["live"] == 1
 
     assert_clean(status, lambda: asyncio.run(active(routers)))
-
-
-async def status_of(address: str) -> dict:
-    client = TandemClient(address)
-    try:
-        return status_to_dict(await client.status())
-    finally:
-        await client.close()
 
 
 async def active(routers) -> list[str]:
@@ -141,7 +111,7 @@ def test_requests_of_a_dead_router_are_replayed_when_their_worker_dies(routers):
     controller, adopts them and replays them from the token log; their clients resume on B."""
     gcs = ray.get_runtime_context().gcs_address
     common = ["--ray-address", gcs, "--redis-url", routers["redis"].url, "--port", "0"]
-    c, addr_c = start_router(["router", *common], routers["redis"].data_dir / "router-c.log")
+    c, addr_c = spawn(["router", *common], routers["redis"].data_dir / "router-c.log")
 
     async def go():
         client = TandemClient([addr_c, routers["addr_b"]])
@@ -152,7 +122,7 @@ def test_requests_of_a_dead_router_are_replayed_when_their_worker_dies(routers):
 
             async def strike():
                 kill(c.pid)
-                s = await status_of(routers["addr_b"])
+                s = await fetch_status(routers["addr_b"])
                 busiest = max((w for w in s["decode"] if w["alive"]), key=lambda w: w["running"])
                 os.kill(busiest["pid"], signal.SIGKILL)
 
@@ -171,7 +141,7 @@ def test_requests_of_a_dead_router_are_replayed_when_their_worker_dies(routers):
     adopted = [f for rec in records for f in rec.failures if "its router is gone" in f]
     assert adopted, "no request was adopted and replayed by router B"
     assert_clean(
-        lambda: asyncio.run(status_of(routers["addr_b"])), lambda: asyncio.run(active(routers))
+        lambda: asyncio.run(fetch_status(routers["addr_b"])), lambda: asyncio.run(active(routers))
     )
 
 
