@@ -1,6 +1,12 @@
+import pytest
 import torch
 
-from workers.engine.sampler import SamplingTensors, sample, uniform_noise
+from workers.engine.sampler import (
+    SamplingTensors,
+    _apply_filters,
+    row_uniforms,
+    sample,
+)
 
 
 def tensors(n, temperature=1.0, top_k=0, top_p=1.0, seeds=None, counters=None, logprobs=False):
@@ -25,43 +31,77 @@ def test_greedy_is_argmax_with_its_logprob():
     torch.testing.assert_close(out.logprobs, expected)
 
 
-def test_noise_is_uniform_and_a_pure_function_of_seed_and_counter():
-    u = uniform_noise(torch.tensor([7, 7, 8]), torch.tensor([3, 3, 3]), 50000)
-    assert torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
-    assert 0 < u.min() and u.max() < 1
-    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.005
+def test_uniforms_are_uniform_and_a_pure_function_of_seed_and_counter():
+    seeds = torch.arange(200_000, dtype=torch.long)
+    u = row_uniforms(seeds, torch.full_like(seeds, 3))
+    assert torch.equal(u, row_uniforms(seeds.clone(), torch.full_like(seeds, 3)))
+    assert not torch.equal(u, row_uniforms(seeds, torch.full_like(seeds, 4)))
+    assert abs(u.mean().item() - 0.5) < 0.005 and abs(u.var().item() - 1 / 12) < 0.002
+    # Uniform over the unit interval: every one of 100 bins holds about 1% of the draws.
+    counts = torch.histc(u.float(), bins=100, min=0, max=1)
+    assert counts.min() > 1600 and counts.max() < 2400
 
 
-def test_noise_never_reaches_zero_or_one_over_millions_of_draws():
-    """Every value of the noise for 2,000 (seed, position) pairs over a 49,152-token
-    vocabulary (98 million): none may be 0 or 1, where -log(u) would be inf or 0 and the
-    Gumbel-max draw would pick a token whatever its probability."""
-    lo, hi = 1.0, 0.0
-    for start in range(0, 2000, 100):
-        seeds = torch.arange(start, start + 100, dtype=torch.long) * 7919 + (1 << 40)
-        counters = torch.arange(start, start + 100, dtype=torch.long) % 997
-        u = uniform_noise(seeds, counters, 49152)
-        lo, hi = min(lo, u.min().item()), max(hi, u.max().item())
-        assert torch.isfinite(-torch.log(u)).all() and (-torch.log(u) > 0).all()
-    assert 0 < lo and hi < 1
-    assert lo == 2.0**-24 and hi == 1 - 2.0**-24  # the grid's ends are reached, not passed
+def test_uniforms_never_reach_zero_or_one_over_millions_of_pairs():
+    """5 million (seed, position) pairs, seeds spread over all 64 bits: each uniform is an
+    odd multiple of 2**-53, so never 0 or 1, whatever the hash gives."""
+    for start in range(0, 5_000_000, 1_000_000):
+        i = torch.arange(start, start + 1_000_000, dtype=torch.long)
+        seeds = i * 0x9E3779B97F4A7C15 + (1 << 40)  # wraps: negative seeds too
+        u = row_uniforms(seeds, i % 4099)
+        assert 0 < u.min().item() and u.max().item() < 1
+        k = u * 2.0**53
+        assert torch.equal(k, k.round()) and bool((k.long() % 2 == 1).all())
+    extremes = torch.tensor([0, 2**52 - 1], dtype=torch.float64)
+    assert ((extremes * 2 + 1) * 2.0**-53).tolist() == [2.0**-53, 1 - 2.0**-53]
 
 
 def test_a_draw_never_leaves_the_support_of_its_filters():
     """3,000 seeded first-token draws over a real-sized vocabulary: with top_k=20 or a
-    nucleus, every token is inside the support (the exact noise's whole point)."""
+    nucleus, every token is inside the support (the exact uniform's whole point)."""
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(49152, generator=gen) * 3
     top20 = set(logits.topk(20).indices.tolist())
     probs = logits.softmax(-1)
     sorted_p, order = probs.sort(descending=True)
-    nucleus = set(order[: int((sorted_p.cumsum(0) - sorted_p < 0.8).sum())].tolist())
+    top80 = set(order[: int((sorted_p.cumsum(0) - sorted_p < 0.8).sum())].tolist())
     for start in range(0, 3000, 250):
         seeds = list(range(start, start + 250))
         rows = logits.expand(250, -1).contiguous()
         k = sample(rows, tensors(250, top_k=20, seeds=seeds)).token_ids.tolist()
         p = sample(rows, tensors(250, top_p=0.8, seeds=seeds)).token_ids.tolist()
-        assert set(k) <= top20 and set(p) <= nucleus
+        assert set(k) <= top20 and set(p) <= top80
+
+
+def nucleus(row: torch.Tensor, k: int, p: float) -> tuple[set, set]:
+    """Reference top-k/top-p in float64: the tokens kept, and those so near the cut
+    (mass before them within 1e-5 of p) that float32 rounding may place them either side."""
+    order = row.double().argsort(descending=True)[: k or None]
+    probs = row.double()[order].softmax(-1)
+    before = probs.cumsum(-1) - probs
+    keep = before < p
+    keep[0] = True
+    near = (before - p).abs() < 1e-5
+    return set(order[keep].tolist()), set(order[near].tolist())
+
+
+@pytest.mark.parametrize("scale", [3.0, 0.05])  # peaked, and so flat the nucleus is wide
+def test_candidate_filters_keep_the_nucleus_and_leave_unfiltered_rows_whole(scale):
+    """top-k / top-p from each row's best candidates keep what a float64 sort of the whole
+    vocabulary keeps (up to tokens at the cut itself); a nucleus wider than the candidates
+    (the flat rows) falls back to the full sort; a row with no filter keeps every token."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 49152, generator=gen) * scale
+    top_k = torch.tensor([0, 20, 0, 3000, 0, 1], dtype=torch.long)
+    top_p = torch.tensor([0.9, 1.0, 1.0, 0.95, 0.3, 0.5])
+    got = _apply_filters(logits, top_k, top_p)
+    assert torch.equal(got[2], logits[2])  # no filter on that row: nothing masked
+    for r in (0, 1, 3, 4, 5):
+        kept = set(torch.nonzero(~got[r].isinf()).flatten().tolist())
+        want, near = nucleus(logits[r], int(top_k[r]), float(top_p[r]))
+        assert not (kept ^ want) - near, r
+        assert torch.equal(got[r][~got[r].isinf()], logits[r][~got[r].isinf()])
+    assert (~got[1].isinf()).sum() == 20 and (~got[5].isinf()).sum() == 1
 
 
 def test_same_seed_same_draw_whatever_the_batch():

@@ -1,0 +1,183 @@
+"""What sampling costs: the sampler alone, and a whole decode step, against greedy.
+
+    python benchmarks/sampling.py [--batches 1,16,64] [--iters 20] [--runs 3] [--steps 24]
+
+1. The sampler on [batch, 49152] float32 logits (SmolLM2's vocabulary, Zipf-shaped), side
+   by side in one run: Tandem's sampler (one uniform per row, inverse CDF in float64;
+   top-k/top-p on each row's best candidates) against the design it replaced, rebuilt here:
+   Gumbel-max with a hashed uniform per vocabulary entry and a sort of the whole vocabulary
+   for top-k/top-p. Each cell is the median of --iters calls, then the median over --runs
+   runs (the two designs alternate within each run).
+2. The engine's decode step on the default model (fp32), batch 16, for each of the same
+   modes: the median step time over --steps decode steps.
+Prints both tables; writes benchmarks/results/sampling.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks.common import RESULTS, log, print_table  # noqa: E402
+from workers.engine.sampler import _MASK32, SamplingTensors, _fmix32, sample  # noqa: E402
+
+VOCAB = 49152
+MODES = {"greedy": (0.0, 0, 1.0), "temperature 1": (1.0, 0, 1.0), "top_k 50": (1.0, 50, 1.0)}
+MODES["top_p 0.9"] = (1.0, 0, 0.9)
+
+
+def tensors(n: int, temperature: float, top_k: int, top_p: float) -> SamplingTensors:
+    return SamplingTensors(
+        temperature=torch.full((n,), temperature),
+        top_k=torch.full((n,), top_k, dtype=torch.long),
+        top_p=torch.full((n,), top_p),
+        seeds=torch.arange(n, dtype=torch.long) + 1234,
+        counters=torch.full((n,), 7, dtype=torch.long),
+        all_greedy=temperature == 0,
+        any_filter=top_k > 0 or top_p < 1,
+        want_logprobs=False,
+    )
+
+
+def previous_sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The replaced design: a hashed uniform per vocabulary entry (exact, on the 2**23
+    grid), Gumbel-max, and a sort of the whole vocabulary for top-k/top-p."""
+    if t.all_greedy:
+        return logits.argmax(dim=-1)
+    scaled = logits / t.temperature[:, None]
+    if t.any_filter:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        ranks = torch.arange(scaled.shape[-1])
+        k = torch.where(t.top_k > 0, t.top_k, torch.full_like(t.top_k, scaled.shape[-1]))
+        drop = ranks[None, :] >= k[:, None]
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        drop |= (probs.cumsum(dim=-1) - probs) >= t.top_p[:, None]
+        drop[:, 0] = False
+        scaled = torch.empty_like(scaled).scatter_(
+            -1, order, sorted_logits.masked_fill(drop, float("-inf"))
+        )
+    vocab_ids = torch.arange(scaled.shape[-1], dtype=torch.int64)
+    s = _fmix32((t.seeds & _MASK32) ^ _fmix32((t.seeds >> 32) & _MASK32))
+    row = _fmix32(s ^ _fmix32((t.counters * 0x9E3779B1) & _MASK32))
+    x = _fmix32((row[:, None] + vocab_ids[None, :] * 0x27D4EB2F) & _MASK32)
+    u = ((_fmix32(x ^ (row[:, None] >> 7)) >> 9).float() + 0.5) * (1.0 / 8388608.0)
+    return (scaled.softmax(dim=-1) / -torch.log(u)).argmax(dim=-1)
+
+
+def median_ms(fn, logits: torch.Tensor, t: SamplingTensors, iters: int) -> float:
+    fn(logits, t)  # warm up
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn(logits, t)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+def sampler_table(batches: list[int], iters: int, runs: int) -> list[dict]:
+    by_cell: dict[tuple, list[dict]] = {}
+    for run in range(runs):
+        for r in sampler_run(batches, iters):
+            by_cell.setdefault((r["batch"], r["mode"]), []).append(r)
+        log(f"sampler run {run + 1}/{runs} done")
+    return [
+        {
+            "batch": n,
+            "mode": mode,
+            "tandem_ms": statistics.median(r["tandem_ms"] for r in rs),
+            "previous_ms": statistics.median(r["previous_ms"] for r in rs),
+            "runs": rs,
+        }
+        for (n, mode), rs in by_cell.items()
+    ]
+
+
+def sampler_run(batches: list[int], iters: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for n in batches:
+        # A language model's shape: Zipf probabilities (p ~ rank**-1.5), ranks shuffled per
+        # row; the 0.9 nucleus holds about 60 tokens.
+        zipf = -1.5 * torch.arange(1, VOCAB + 1, dtype=torch.float32).log()
+        perm = torch.stack([torch.randperm(VOCAB, generator=gen) for _ in range(n)])
+        logits = zipf[perm]
+        for mode, (temp, k, p) in MODES.items():
+            t = tensors(n, temp, k, p)
+            now = median_ms(sample, logits, t, iters)
+            before = median_ms(previous_sample, logits, t, iters)
+            rows.append({"batch": n, "mode": mode, "tandem_ms": now, "previous_ms": before})
+    return rows
+
+
+def step_table(steps: int, batch: int = 16) -> list[dict]:
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import LLMEngine
+    from workers.engine.request import SamplingParams
+
+    engine = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=batch))
+    prompt = list(range(100, 132))
+    rows = []
+    for mode, (temp, k, p) in MODES.items():
+        sp = SamplingParams(
+            max_tokens=steps + 4, temperature=temp, top_k=k, top_p=p, seed=1, ignore_eos=True
+        )
+        for i in range(batch):
+            engine.add_request(prompt, sp, f"{mode}-{i}")
+        times = []
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        decode = sorted(times[2:])  # past the prefill steps
+        rows.append({"mode": mode, "batch": batch, "step_ms": statistics.median(decode) * 1000})
+        log(f"decode step, batch {batch}, {mode}: {rows[-1]['step_ms']:.1f} ms")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    samplers = sampler_table([int(b) for b in args.batches.split(",")], args.iters, args.runs)
+    steps = step_table(args.steps)
+    print(f"\nThe sampler alone, [batch, 49152] logits, ms per call (median of {args.runs} runs):")
+    print_table(
+        ["batch", "mode", "Tandem ms", "previous design ms", "previous / Tandem"],
+        [
+            [
+                r["batch"],
+                r["mode"],
+                f"{r['tandem_ms']:.2f}",
+                f"{r['previous_ms']:.2f}",
+                f"{r['previous_ms'] / r['tandem_ms']:.1f}x",
+            ]
+            for r in samplers
+        ],
+    )
+    greedy = next(r["step_ms"] for r in steps if r["mode"] == "greedy")
+    print("\nThe engine's decode step, SmolLM2 fp32, batch 16, median ms:")
+    print_table(
+        ["mode", "step ms", "vs greedy"],
+        [[r["mode"], f"{r['step_ms']:.1f}", f"{r['step_ms'] / greedy:.2f}x"] for r in steps],
+    )
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / "sampling.json"
+    out.write_text(json.dumps({"args": vars(args), "sampler": samplers, "step": steps}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
