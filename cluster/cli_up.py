@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import select
 import signal
 import subprocess
 import sys
@@ -109,23 +108,23 @@ async def _serve(cfg, join: bool) -> int:
 
 
 def spawn(argv: list[str], log_path: Path, timeout_s: float = 600.0, cwd=None):
-    """Run `tandem ARGV` (up or router) in a process of its own, its stderr to `log_path`;
-    return the process and its address once it serves. RuntimeError if it exits or does not
-    serve within timeout_s (then it is killed)."""
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", *argv],
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-        cwd=cwd,
-    )
+    """Run `tandem ARGV` (up or router) in a process of its own, its stderr to `log_path`
+    and its stdout beside it (`.out`); return the process and its address once it serves.
+    RuntimeError if it exits or does not serve within timeout_s (then it is killed)."""
+    log_path = Path(log_path)
+    out_path = log_path.with_suffix(".out")
+    with open(log_path, "w") as err, open(out_path, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cluster.cli", *argv], stdout=out, stderr=err, cwd=cwd
+        )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        for line in out_path.read_text().splitlines():
+            if line.startswith(SERVING):
+                return proc, line[len(SERVING) :].split()[0]
         if proc.poll() is not None:
             raise RuntimeError(f"tandem {argv[0]} exited with {proc.returncode}; see {log_path}")
-        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
-        if ready and (line := proc.stdout.readline()).startswith(SERVING):
-            return proc, line[len(SERVING) :].split()[0]
+        time.sleep(0.2)
     proc.kill()
+    proc.wait()
     raise RuntimeError(f"tandem {argv[0]} did not serve within {timeout_s:.0f} s; see {log_path}")

@@ -69,7 +69,7 @@ class PoolManager:
         self._spawn_failed_at = {p: 0.0 for p in Pool}
         self._listeners: list[Listener] = []
         self._discovering: set[str] = set()  # named actors found, not yet answering
-        self.control = True  # may stop workers: until a controller lease says otherwise
+        self.control = False  # may stop workers: once this router's controller holds the lease
 
     # -- the directory ----------------------------------------------------------------------
     def members(self, pool: Pool, include_dead: bool = False) -> list[WorkerRef]:

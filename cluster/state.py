@@ -109,11 +109,12 @@ end
 return 1
 """
 
-# KEYS: hash, active set. ARGV: request id, owner, status, error, now, ttl.
-# A create the router gave up on may land later: end it if it did, and it is still untouched.
+# KEYS: hash, active set. ARGV: request id, create nonce, status, error, now, ttl.
+# A create the router gave up on may land later: end it if it did (that very create, by its
+# nonce, not a later one under the same id), and nothing has begun on it.
 _VOID = """
 if redis.call('HGET', KEYS[1], 'state') ~= 'QUEUED' then return 0 end
-if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[2] then return 0 end
+if redis.call('HGET', KEYS[1], 'nonce') ~= ARGV[2] then return 0 end
 if redis.call('HGET', KEYS[1], 'attempt') ~= '0' then return 0 end
 redis.call('HSET', KEYS[1], 'state', 'FAILED', 'status', ARGV[3], 'error', ARGV[4],
            'updated', ARGV[5])
@@ -272,13 +273,14 @@ class RedisStore:
         return str(info.get("run_id", ""))
 
     @_reachable
-    async def create(self, rec: RequestRecord) -> bool:
+    async def create(self, rec: RequestRecord, nonce: str = "") -> bool:
         rid = rec.request_id
-        return bool(await self._create(keys=[key(rid), ACTIVE], args=[rid, *_flat(_fields(rec))]))
+        fields = _flat({**_fields(rec), "nonce": nonce})
+        return bool(await self._create(keys=[key(rid), ACTIVE], args=[rid, *fields]))
 
     @_reachable
-    async def void(self, rid: str, owner: str, status: Status, error: str) -> bool:
-        args = [rid, owner, status.value, error, str(time.time()), self.ttl_s]
+    async def void(self, rid: str, nonce: str, status: Status, error: str) -> bool:
+        args = [rid, nonce, status.value, error, str(time.time()), self.ttl_s]
         return bool(await self._void(keys=[key(rid), ACTIVE], args=args))
 
     @_reachable

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -73,15 +74,17 @@ class Records:
         if self.down_since is not None:
             raise self._unreachable(ConnectionError("it did not answer the last call"))
         try:
-            created = await self._call(self.store.create(rec))
+            nonce = uuid.uuid4().hex
+            created = await self._call(self.store.create(rec, nonce))
         except AWAY as e:
             self._went_down(e)
             err = self._unreachable(e)
             # The create may still land (it sat in a socket buffer): once the store is back,
-            # end that record as the caller was told, or nobody ever would.
+            # end that record as the caller was told, or nobody ever would. The nonce spares
+            # a retry of the same request id, accepted meanwhile.
             self.write(
                 f"void {rec.request_id}",
-                lambda: self.store.void(rec.request_id, rec.owner, err.status, err.message),
+                lambda: self.store.void(rec.request_id, nonce, err.status, err.message),
             )
             raise err from None
         if not created:

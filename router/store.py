@@ -63,12 +63,14 @@ class RequestStore(Protocol):
     async def ping(self) -> str:
         """The store's identity; it changes when the store restarts (lost writes possible)."""
 
-    async def create(self, rec: RequestRecord) -> bool:
-        """Write a new QUEUED record; False if the id exists."""
+    async def create(self, rec: RequestRecord, nonce: str = "") -> bool:
+        """Write a new QUEUED record; False if the id exists. `nonce` names this create
+        for `void`."""
 
-    async def void(self, rid: str, owner: str, status: Status, error: str) -> bool:
-        """End as FAILED a record `owner` created and never began: for a create that went
-        unanswered, and was refused, but may have landed. False if there is no such record."""
+    async def void(self, rid: str, nonce: str, status: Status, error: str) -> bool:
+        """End as FAILED the record the create named `nonce` wrote, if it landed and nothing
+        began on it: for a create that went unanswered and was refused. False otherwise (no
+        such record, or a later create under the same id)."""
 
     async def restore(self, rec: RequestRecord, tokens: list[int]) -> None:
         """Put back a record the store lost (after a restart), with its tokens so far."""

@@ -48,9 +48,10 @@ def routers(tmp_path_factory):
                 "0.5",
             ],
             tmp / "router-a.log",
+            timeout_s=300,
         )
         procs.append(a)
-        b, addr_b = spawn(["router", *common], tmp / "router-b.log")
+        b, addr_b = spawn(["router", *common], tmp / "router-b.log", timeout_s=300)
         procs.append(b)
         yield {"a": a, "b": b, "addr_a": addr_a, "addr_b": addr_b, "redis": redis}
     finally:
@@ -111,7 +112,9 @@ def test_requests_of_a_dead_router_are_replayed_when_their_worker_dies(routers):
     controller, adopts them and replays them from the token log; their clients resume on B."""
     gcs = ray.get_runtime_context().gcs_address
     common = ["--ray-address", gcs, "--redis-url", routers["redis"].url, "--port", "0"]
-    c, addr_c = spawn(["router", *common], routers["redis"].data_dir / "router-c.log")
+    c, addr_c = spawn(
+        ["router", *common], routers["redis"].data_dir / "router-c.log", timeout_s=300
+    )
 
     async def go():
         client = TandemClient([addr_c, routers["addr_b"]])

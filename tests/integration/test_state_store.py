@@ -141,25 +141,26 @@ def test_ownership_leases_and_a_router_end(server):
 
 
 def test_a_create_that_landed_after_it_was_refused_is_voided(server):
-    """The router refused a request when its create went unanswered; had the create landed
-    after all, `void` ends that record as FAILED, and never a record someone else drives."""
+    """The router refused a request when its create went unanswered; had that create landed
+    after all, `void` ends its record as FAILED. Never a record a later create wrote under
+    the same id (the client's retry), nor one an attempt has begun on."""
 
     async def go(store):
-        await store.create(record("late"))
-        assert await store.void("late", "router-a", Status.UNAVAILABLE, "store away")
+        await store.create(record("late"), nonce="n1")
+        assert await store.void("late", "n1", Status.UNAVAILABLE, "store away")
         rec = await store.get("late")
         assert rec.state is RecordState.FAILED and rec.status is Status.UNAVAILABLE
         assert rec.error == "store away"
-        assert not await store.void("never-created", "router-a", Status.UNAVAILABLE, "")
+        assert not await store.void("never-created", "n1", Status.UNAVAILABLE, "")
         assert await store.get("never-created") is None
-        await store.create(record("begun"))
+        await store.create(record("retried"), nonce="second")
+        assert not await store.void("retried", "first", Status.UNAVAILABLE, "")
+        assert (await store.get("retried")).state is RecordState.QUEUED
+        await store.create(record("begun"), nonce="n3")
         assert await store.begin_attempt("begun", 1, "router-a", "p0", "d0", "") is BeginResult.OK
-        assert not await store.void("begun", "router-a", Status.UNAVAILABLE, "")
-        await store.create(record("theirs", owner="router-b"))
-        assert not await store.void("theirs", "router-a", Status.UNAVAILABLE, "")
-        assert (await store.get("theirs")).state is RecordState.QUEUED
+        assert not await store.void("begun", "n3", Status.UNAVAILABLE, "")
         active = set(await store.active())
-        return "late" not in active and {"begun", "theirs"} <= active
+        return "late" not in active and {"retried", "begun"} <= active
 
     assert run(with_store(server.url, go))
 

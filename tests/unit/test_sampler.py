@@ -52,8 +52,10 @@ def test_uniforms_never_reach_zero_or_one_over_millions_of_pairs():
         assert 0 < u.min().item() and u.max().item() < 1
         k = u * 2.0**53
         assert torch.equal(k, k.round()) and bool((k.long() % 2 == 1).all())
-    extremes = torch.tensor([0, 2**52 - 1], dtype=torch.float64)
-    assert ((extremes * 2 + 1) * 2.0**-53).tolist() == [2.0**-53, 1 - 2.0**-53]
+    # What the draw needs: u * total strictly inside (0, total) for any total near 1.
+    totals = torch.tensor([1 - 2.0**-40, 1.0, 1 + 2.0**-40], dtype=torch.float64)
+    top = torch.tensor(1 - 2.0**-53, dtype=torch.float64)
+    assert bool(((top * totals) < totals).all()) and bool(((2.0**-53 * totals) > 0).all())
 
 
 def test_a_draw_never_leaves_the_support_of_its_filters():
@@ -71,37 +73,78 @@ def test_a_draw_never_leaves_the_support_of_its_filters():
         k = sample(rows, tensors(250, top_k=20, seeds=seeds)).token_ids.tolist()
         p = sample(rows, tensors(250, top_p=0.8, seeds=seeds)).token_ids.tolist()
         assert set(k) <= top20 and set(p) <= top80
+        assert len(set(k)) > 10  # and spread over it, not collapsed onto a few tokens
 
 
 def nucleus(row: torch.Tensor, k: int, p: float) -> tuple[set, set]:
-    """Reference top-k/top-p in float64: the tokens kept, and those so near the cut
-    (mass before them within 1e-5 of p) that float32 rounding may place them either side."""
-    order = row.double().argsort(descending=True)[: k or None]
-    probs = row.double()[order].softmax(-1)
+    """Reference top-k/top-p in float64 from a sort of the whole row: the tokens kept (every
+    token tied with the last one kept stays too), and those so near the cut (mass before
+    them within 1e-9 of p) that rounding may place them either side."""
+    ordered, order = row.double().sort(descending=True)
+    ordered, order = ordered[: k or None], order[: k or None]
+    probs = ordered.softmax(-1)
     before = probs.cumsum(-1) - probs
     keep = before < p
     keep[0] = True
-    near = (before - p).abs() < 1e-5
-    return set(order[keep].tolist()), set(order[near].tolist())
+    threshold = ordered[keep][-1]
+    near = order[(before - p).abs() < 1e-9]
+    return set(torch.nonzero(row.double() >= threshold).flatten().tolist()), set(near.tolist())
+
+
+def filter_rows(scale: float):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 49152, generator=gen) * scale
+    top = logits[1].topk(22).indices
+    logits[1, top[18:22]] = logits[1, top[18]].item()  # a tie across the top-20 cut
+    top_k = torch.tensor([0, 20, 0, 3000, 0, 1], dtype=torch.long)
+    top_p = torch.tensor([0.9, 1.0, 1.0, 0.95, 0.3, 0.5])
+    return logits, top_k, top_p
 
 
 @pytest.mark.parametrize("scale", [3.0, 0.05])  # peaked, and so flat the nucleus is wide
 def test_candidate_filters_keep_the_nucleus_and_leave_unfiltered_rows_whole(scale):
     """top-k / top-p from each row's best candidates keep what a float64 sort of the whole
-    vocabulary keeps (up to tokens at the cut itself); a nucleus wider than the candidates
-    (the flat rows) falls back to the full sort; a row with no filter keeps every token."""
-    gen = torch.Generator().manual_seed(1)
-    logits = torch.randn(6, 49152, generator=gen) * scale
-    top_k = torch.tensor([0, 20, 0, 3000, 0, 1], dtype=torch.long)
-    top_p = torch.tensor([0.9, 1.0, 1.0, 0.95, 0.3, 0.5])
-    got = _apply_filters(logits, top_k, top_p)
-    assert torch.equal(got[2], logits[2])  # no filter on that row: nothing masked
+    vocabulary keeps (ties at the cut included); a nucleus wider than the candidates (the
+    flat rows) falls back to the full sort; a row with no filter keeps every token. Checked
+    with 1,024 candidates (no wide top-k in the batch) and with 3,000."""
+    logits, top_k, top_p = filter_rows(scale)
+    for rows in ([0, 1, 2, 4, 5], [0, 1, 2, 3, 4, 5]):
+        got = _apply_filters(logits[rows], top_k[rows], top_p[rows])
+        for g, r in zip(got, rows):
+            if r == 2:
+                assert torch.equal(g, logits[2])  # no filter on that row: nothing masked
+                continue
+            kept = set(torch.nonzero(~g.isinf()).flatten().tolist())
+            want, near = nucleus(logits[r], int(top_k[r]), float(top_p[r]))
+            assert not (kept ^ want) - near, r
+            assert torch.equal(g[~g.isinf()], logits[r][~g.isinf()])
+        assert (~got[1].isinf()).sum() == 22  # the top 20, and the two tied with the 20th
+
+
+@pytest.mark.parametrize("scale", [3.0, 0.05])
+def test_a_filtered_row_masks_and_draws_the_same_whatever_its_batch(scale):
+    """A row's filters and draw depend on it alone: the same row, alone and batched with rows
+    that widen the candidates or force the full sort, is masked and sampled the same."""
+    logits, top_k, top_p = filter_rows(scale)
     for r in (0, 1, 3, 4, 5):
-        kept = set(torch.nonzero(~got[r].isinf()).flatten().tolist())
-        want, near = nucleus(logits[r], int(top_k[r]), float(top_p[r]))
-        assert not (kept ^ want) - near, r
-        assert torch.equal(got[r][~got[r].isinf()], logits[r][~got[r].isinf()])
-    assert (~got[1].isinf()).sum() == 20 and (~got[5].isinf()).sum() == 1
+        alone = _apply_filters(logits[r : r + 1], top_k[r : r + 1], top_p[r : r + 1])[0]
+        for batch in ([r, 2], [r, 1], [r, 3], [r, 0], [0, 1, 2, 3, 4, 5]):
+            got = _apply_filters(logits[batch], top_k[batch], top_p[batch])[batch.index(r)]
+            assert torch.equal(got, alone), (r, batch)
+        t = tensors(1, top_k=int(top_k[r]), top_p=float(top_p[r]), seeds=[9], counters=[4])
+        drawn = sample(logits[r : r + 1], t).token_ids[0]
+        batch = [0, 1, 2, 3, 4, 5]
+        tb = SamplingTensors(
+            temperature=torch.ones(6),
+            top_k=top_k,
+            top_p=top_p,
+            seeds=torch.full((6,), 9, dtype=torch.long),
+            counters=torch.full((6,), 4, dtype=torch.long),
+            all_greedy=False,
+            any_filter=True,
+            want_logprobs=False,
+        )
+        assert sample(logits[batch], tb).token_ids[r] == drawn
 
 
 def test_same_seed_same_draw_whatever_the_batch():

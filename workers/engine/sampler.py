@@ -50,13 +50,14 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def row_uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """[N] float64 uniforms, a pure function of (seed, counter): (2k + 1) / 2**53 for the
-    52-bit k hashed from them. 2k + 1 < 2**53 is exact in float64, so every value lies in
-    [2**-53, 1 - 2**-53]: never 0 or 1."""
-    s = _fmix32((seeds & _MASK32) ^ _fmix32((seeds >> 32) & _MASK32))
-    hi = _fmix32(s ^ _fmix32((counters * 0x9E3779B1) & _MASK32))
-    lo = _fmix32(hi ^ 0x27D4EB2F)
-    k = (hi << 20) | (lo >> 12)  # 32 + 20 bits
+    """[N] float64 uniforms, a pure function of (seed, counter): (2k + 1) / 2**53 for a
+    52-bit k from two independent 32-bit hashes of them. 2k + 1 < 2**53 is exact in
+    float64, so every value lies in [2**-53, 1 - 2**-53]: never 0 or 1."""
+    lo32, hi32 = seeds & _MASK32, (seeds >> 32) & _MASK32
+    c = _fmix32((counters * 0x9E3779B1) & _MASK32)
+    a = _fmix32(_fmix32(lo32 ^ _fmix32(hi32)) ^ c)
+    b = _fmix32(_fmix32(hi32 ^ _fmix32(lo32 ^ 0x27D4EB2F)) ^ _fmix32(c ^ 0x165667B1))
+    k = (a << 20) | (b >> 12)  # 32 + 20 bits
     return (k.double() * 2.0 + 1.0) * 2.0**-53
 
 
@@ -65,9 +66,11 @@ _CANDIDATES = 1024
 
 
 def _apply_filters(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
-    """Mask everything outside each row's top-k and top-p nucleus to -inf (top-p within the
-    top-k, renormalized; the most likely token always stays). Rows with neither filter are
-    returned as they are."""
+    """Mask everything outside each row's top-k and top-p nucleus to -inf: top-p within the
+    top-k, renormalized; the most likely token always stays; a token tied with the last one
+    kept stays too. Each row's cut is a logit threshold computed in float64 from its own
+    values only, the same whether it comes from the candidates or a full sort, so a row's
+    mask never depends on the rows batched with it."""
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
     unfiltered = (k >= vocab) & (top_p >= 1)
@@ -75,37 +78,36 @@ def _apply_filters(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     nucleus_only = bool(((k >= vocab) & (top_p < 1)).any())
     widest_k = int(k[k < vocab].max()) if bool((k < vocab).any()) else 1
     width = min(vocab, max(widest_k, _CANDIDATES if nucleus_only else 1))
-    vals, idx = logits.topk(width, dim=-1)
-    ranks = torch.arange(width, device=logits.device)
-    drop = ranks[None, :] >= k[:, None]
-    # Each row's normalizer: over its top-k (all inside the candidates), or the whole row.
-    inside = vals.masked_fill(drop, float("-inf")).logsumexp(dim=-1)
-    norm = torch.where(k < vocab, inside, logits.logsumexp(dim=-1))
-    probs = (vals - norm[:, None]).exp().masked_fill(drop, 0.0)
-    before = probs.cumsum(dim=-1) - probs
-    drop |= before >= top_p[:, None]
-    drop[:, 0] = False
-    # A row that keeps tokens past the candidates: its top-k is wider than them, and their
-    # mass is short of top_p. Only a full sort can place its cut.
-    short = (k > width) & (probs.sum(dim=-1) < top_p) & ~unfiltered
-    if bool(short.any()):
-        return torch.where(unfiltered[:, None], logits, _apply_filters_sorted(logits, k, top_p))
-    out = torch.full_like(logits, float("-inf"))
-    out.scatter_(-1, idx, vals.masked_fill(drop, float("-inf")))
-    return torch.where(unfiltered[:, None], logits, out)
+    vals = logits.topk(width, dim=-1).values
+    # The whole row's normalizer, for rows whose top-k does not cut (k > width).
+    wide = k > width
+    whole = logits.double().logsumexp(dim=-1) if bool(wide.any()) else torch.zeros_like(top_p)
+    thr, settled = _cut(vals, k, top_p, whole)
+    # A row whose nucleus reaches past the candidates: only a full sort places its cut.
+    if not bool((settled | unfiltered).all()):
+        thr, _ = _cut(logits.sort(dim=-1, descending=True).values, k, top_p, whole)
+    thr = thr.masked_fill(unfiltered, float("-inf"))
+    return logits.masked_fill(logits < thr[:, None], float("-inf"))
 
 
-def _apply_filters_sorted(logits: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor):
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[-1], device=logits.device)
-    drop = ranks[None, :] >= k[:, None]
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    # Keep a token while the mass before it is below top_p; the first token always stays.
+def _cut(vals: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, whole: torch.Tensor):
+    """From each row's best `width` logits, sorted: the logit of the last token its top-k
+    and top-p keep, and whether the candidates sufficed to tell (False: the nucleus may
+    reach past them)."""
+    width = vals.shape[-1]
+    ranks = torch.arange(width, device=vals.device)
+    out_k = ranks[None, :] >= k[:, None]
+    v = vals.double()
+    # The normalizer: over the top-k (all among the candidates when k <= width), else all.
+    inside = v.masked_fill(out_k, float("-inf")).logsumexp(dim=-1)
+    norm = torch.where(k <= width, inside, whole)
+    probs = (v - norm[:, None]).exp().masked_fill(out_k, 0.0)
     before = probs.cumsum(dim=-1) - probs
-    drop |= before >= top_p[:, None]
+    drop = out_k | (before >= top_p[:, None].double())
     drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    last = (~drop).sum(dim=-1) - 1  # kept tokens are a prefix
+    settled = (k <= width) | (probs.sum(dim=-1) >= top_p.double())
+    return vals.gather(-1, last[:, None]).squeeze(-1), settled
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
