@@ -29,6 +29,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from router.store import BeginResult, RecordState, RequestRecord
 from workers.messages import (
@@ -244,6 +247,12 @@ def _flat(d: dict) -> list:
     return out
 
 
+# A pooled connection idle for over this long is PINGed before use, and reconnected once if
+# the PING fails: after a Redis restart, stale connections must not fail real commands. The
+# commands themselves are never sent twice (retry_on_error stays empty).
+_HEALTH_CHECK_S = 0.5
+
+
 class RedisStore:
     """The router's RequestStore, on redis-py's asyncio client."""
 
@@ -254,6 +263,8 @@ class RedisStore:
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             decode_responses=True,
+            health_check_interval=_HEALTH_CHECK_S,
+            retry=AsyncRetry(NoBackoff(), 1),
         )
         self._append = self.r.register_script(_APPEND)
         self._begin = self.r.register_script(_BEGIN)
@@ -392,6 +403,8 @@ class RedisTokenLog:
                 socket_timeout=self.timeout_s,
                 socket_connect_timeout=self.timeout_s,
                 decode_responses=True,
+                health_check_interval=_HEALTH_CHECK_S,
+                retry=Retry(NoBackoff(), 1),
             )
             self._script = self._r.register_script(_APPEND)
         return self._r

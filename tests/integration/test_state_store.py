@@ -189,6 +189,29 @@ def test_the_embedded_server_restarts_from_its_aof(server):
     assert rec is not None and rec.attempt == 1 and rec.state is RecordState.RUNNING
 
 
+def test_pooled_connections_survive_a_redis_restart(tmp_path):
+    """Connections pooled before Redis restarted are checked before use: the first calls
+    after a restart succeed, on every one of them, instead of failing as unreachable."""
+    r = EmbeddedRedis(tmp_path).start()
+
+    async def go():
+        store = RedisStore(r.url)
+        await asyncio.gather(*(store.create(record(f"before-{i}")) for i in range(12)))
+        old = r.pid
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while r.restarts < 1 or r.pid == old:
+            assert time.monotonic() < deadline, "redis did not restart"
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.2)  # idle past the health-check interval, as between requests
+        return await asyncio.gather(*(store.create(record(f"after-{i}")) for i in range(12)))
+
+    try:
+        assert run(go()) == [True] * 12
+    finally:
+        r.stop()
+
+
 def test_a_password_protected_redis_and_its_url(tmp_path):
     port = free_port()
     url = f"redis://:s3cret@127.0.0.1:{port}/0"
