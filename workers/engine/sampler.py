@@ -79,18 +79,19 @@ def _apply_filters(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     widest_k = int(k[k < vocab].max()) if bool((k < vocab).any()) else 1
     width = min(vocab, max(widest_k, _CANDIDATES if nucleus_only else 1))
     vals = logits.topk(width, dim=-1).values
-    # The whole row's normalizer, for rows whose top-k does not cut (k > width).
-    wide = k > width
-    whole = logits.double().logsumexp(dim=-1) if bool(wide.any()) else torch.zeros_like(top_p)
-    thr, settled = _cut(vals, k, top_p, whole)
+    # A row its top-k does not cut is normalized over the whole row, computed once here so
+    # that the candidates and a full sort place the same cut.
+    uncut = k >= vocab
+    whole = logits.double().logsumexp(dim=-1) if bool(uncut.any()) else None
+    thr, settled = _cut(vals, k, top_p, uncut, whole)
     # A row whose nucleus reaches past the candidates: only a full sort places its cut.
     if not bool((settled | unfiltered).all()):
-        thr, _ = _cut(logits.sort(dim=-1, descending=True).values, k, top_p, whole)
+        thr, _ = _cut(logits.sort(dim=-1, descending=True).values, k, top_p, uncut, whole)
     thr = thr.masked_fill(unfiltered, float("-inf"))
     return logits.masked_fill(logits < thr[:, None], float("-inf"))
 
 
-def _cut(vals: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, whole: torch.Tensor):
+def _cut(vals, k, top_p, uncut: torch.Tensor, whole: torch.Tensor | None):
     """From each row's best `width` logits, sorted: the logit of the last token its top-k
     and top-p keep, and whether the candidates sufficed to tell (False: the nucleus may
     reach past them)."""
@@ -98,9 +99,10 @@ def _cut(vals: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, whole: torch.
     ranks = torch.arange(width, device=vals.device)
     out_k = ranks[None, :] >= k[:, None]
     v = vals.double()
-    # The normalizer: over the top-k (all among the candidates when k <= width), else all.
-    inside = v.masked_fill(out_k, float("-inf")).logsumexp(dim=-1)
-    norm = torch.where(k <= width, inside, whole)
+    # The normalizer: over the top-k (all among the candidates), or the whole row.
+    norm = v.masked_fill(out_k, float("-inf")).logsumexp(dim=-1)
+    if whole is not None:
+        norm = torch.where(uncut, whole, norm)
     probs = (v - norm[:, None]).exp().masked_fill(out_k, 0.0)
     before = probs.cumsum(dim=-1) - probs
     drop = out_k | (before >= top_p[:, None].double())
@@ -127,7 +129,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         # probability, since u * total lies strictly inside (0, total).
         target = row_uniforms(t.seeds, t.counters) * cdf[:, -1]
         drawn = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
-        drawn = drawn.clamp(max=logits.shape[-1] - 1)
+        drawn = drawn.clamp(max=logits.shape[-1] - 1)  # NaN logits: a bad id, not a crash
         token_ids = torch.where(greedy, greedy_ids, drawn)
     if t.want_logprobs:
         logprobs = logits.log_softmax(dim=-1).gather(-1, token_ids[:, None]).squeeze(-1)
