@@ -1,6 +1,8 @@
 """The JSONL request file shared by `tandem generate` (offline and against a cluster) and the
 benchmarks: one request per line, `{"prompt": str}` or `{"prompt_ids": [int]}`, with optional
-max_tokens, temperature, top_p, top_k, seed, ignore_eos, stop, stop_token_ids, logprobs and
+sampling fields as SamplingParams names them (max_tokens, temperature, top_p, top_k, min_p,
+seed, ignore_eos, stop, stop_token_ids, logprobs, top_logprobs, presence_penalty,
+frequency_penalty, repetition_penalty, logit_bias as {"token id": bias}, min_tokens) and
 priority."""
 
 from __future__ import annotations
@@ -21,6 +23,13 @@ _SAMPLING_FIELDS = {
     "stop": (str, list),
     "stop_token_ids": list,
     "logprobs": bool,
+    "top_logprobs": int,
+    "min_p": (int, float),
+    "presence_penalty": (int, float),
+    "frequency_penalty": (int, float),
+    "repetition_penalty": (int, float),
+    "logit_bias": dict,
+    "min_tokens": int,
 }
 # "kind" labels a request for benchmarks (e.g. chat / long) and is otherwise ignored.
 _FIELDS = {"prompt", "prompt_ids", "priority", "kind", *_SAMPLING_FIELDS}
@@ -45,6 +54,8 @@ def parse_request(obj: object, where: str = "request") -> GenerationRequest:
             if not all(isinstance(t, int) for t in value):
                 raise ValueError(f"{where}: field 'stop_token_ids' must be a list of integers")
             value = tuple(value)
+        if name == "logit_bias":
+            value = _logit_bias(value, where)
         kwargs[name] = value
     prompt, ids = obj.get("prompt"), obj.get("prompt_ids")
     if prompt is not None and not isinstance(prompt, str):
@@ -66,6 +77,20 @@ def parse_request(obj: object, where: str = "request") -> GenerationRequest:
         )
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+def _logit_bias(value: dict, where: str) -> dict[int, float]:
+    """OpenAI's form: token ids as JSON object keys (strings), biases as numbers."""
+    out = {}
+    for k, v in value.items():
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if not (number and str(k).lstrip("-").isdigit()):
+            raise ValueError(
+                f"{where}: field 'logit_bias' must map token ids to numbers, "
+                f'as {{"1234": -100}} (got {k!r}: {v!r})'
+            )
+        out[int(k)] = float(v)
+    return out
 
 
 def read_requests(path: str | Path) -> list[GenerationRequest]:

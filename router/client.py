@@ -37,6 +37,13 @@ def to_proto(req: GenerationRequest, request_id: str = "") -> pb.GenerateRequest
         stop_token_ids=list(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
         logprobs=sp.logprobs,
+        top_logprobs=sp.top_logprobs,
+        min_p=sp.min_p,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty,
+        logit_bias=dict(sp.logit_bias),
+        min_tokens=sp.min_tokens,
     )
     if sp.seed is not None:
         sampling.seed = sp.seed
@@ -58,6 +65,8 @@ class StreamResult:
     status: str = "OK"  # the gRPC status name
     ttft_s: float | None = None
     e2e_s: float | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # seconds since submission
     resumes: int = 0  # how many times the stream moved to another router (or reconnected)
 
@@ -72,6 +81,8 @@ class StreamResult:
             self.error,
             self.ttft_s,
             self.e2e_s,
+            self.logprobs or None,
+            self.top_logprobs or None,
         )
 
 
@@ -152,14 +163,16 @@ class TandemClient:
     def _take(res: StreamResult, r: pb.GenerateResponse, t0: float, on_chunk) -> None:
         now = time.perf_counter() - t0
         if r.token_ids:
-            if r.offset != len(res.token_ids):  # a resume answers from the offset asked
-                drop = len(res.token_ids) - r.offset
-                ids = list(r.token_ids)[max(drop, 0) :]
-            else:
-                ids = list(r.token_ids)
+            # A resume answers from the offset asked: drop what this client already has.
+            drop = max(len(res.token_ids) - r.offset, 0)
+            ids = list(r.token_ids)[drop:]
             if ids and res.ttft_s is None:
                 res.ttft_s = now
             res.token_ids += ids
+            res.logprobs += list(r.logprobs)[drop:]
+            res.top_logprobs += [
+                tuple(zip(t.token_ids, t.logprobs)) for t in list(r.top_logprobs)[drop:]
+            ]
             res.token_times += [now] * len(ids)
         res.text += r.text
         if on_chunk is not None:

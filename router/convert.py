@@ -20,6 +20,10 @@ def response(request_id: str, chunk: Chunk, prompt_tokens: int, completion_token
         token_ids=chunk.token_ids,
         text=chunk.text,
         logprobs=chunk.logprobs,
+        top_logprobs=[
+            pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+            for top in chunk.top_logprobs
+        ],
     )
     if chunk.finished:
         msg.final.CopyFrom(

@@ -29,7 +29,7 @@ from router.directory import WorkerRef
 from router.errors import RouterError
 from router.store import RecordState
 from router.stream import RequestStream
-from workers.messages import Pool, PrefillJob, RequestSpec, Status, TokenEvent
+from workers.messages import Pool, PrefillJob, RequestSpec, Status, TokenEvent, first_event
 
 if TYPE_CHECKING:
     from router.core import Router
@@ -256,8 +256,7 @@ class RequestDriver:
             raise AttemptFailed(
                 r.status, f"prefill on {p.name} failed: {r.error or r.status.value}"
             )
-        lp = (r.logprob,) if job.spec.sampling.logprobs and r.logprob is not None else None
-        self._put(TokenEvent(r.request_id, r.attempt, len(job.spec.output_ids), (r.token_id,), lp))
+        self._put(first_event(job.spec, r.token_id, r.logprob, r.top_logprobs))
 
     async def _follow(self, attempt: int, landed: bool) -> TokenEvent:
         """This attempt's events until its last one. Before the KV has landed (no event from

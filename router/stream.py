@@ -7,6 +7,7 @@ consumer following the stream (the Generate call, and any Resume calls on this r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ class Chunk:
     finish_reason: str | None = None
     status: Status = Status.OK  # not OK: the request failed (the gRPC call ends with it)
     error: str = ""
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()  # per token, best first
 
 
 @dataclass
@@ -60,16 +62,12 @@ class RequestStream:
             skip = self.next_offset - event.offset
             if skip >= len(event.token_ids) and not event.finished:
                 return
-            event = TokenEvent(
-                event.request_id,
-                event.attempt,
-                self.next_offset,
-                event.token_ids[skip:],
-                event.logprobs[skip:] if event.logprobs else None,
-                event.finish_reason,
-                event.status,
-                event.error,
-                event.text,
+            event = dataclasses.replace(
+                event,
+                offset=self.next_offset,
+                token_ids=event.token_ids[skip:],
+                logprobs=event.logprobs[skip:] if event.logprobs else None,
+                top_logprobs=event.top_logprobs[skip:] if event.top_logprobs else None,
             )
         self._held.setdefault(event.offset, event)
         while self.next_offset in self._held:
@@ -77,7 +75,17 @@ class RequestStream:
             delta = self.text.push(list(e.token_ids), e.text, e.finished)
             self.tokens += e.token_ids
             reason = e.finish_reason.value if e.finish_reason else None
-            self._emit(Chunk(e.offset, e.token_ids, delta, e.logprobs or (), e.finished, reason))
+            self._emit(
+                Chunk(
+                    e.offset,
+                    e.token_ids,
+                    delta,
+                    e.logprobs or (),
+                    e.finished,
+                    reason,
+                    top_logprobs=e.top_logprobs or (),
+                )
+            )
             if e.finished:
                 self.finished = True
                 break

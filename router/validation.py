@@ -3,7 +3,6 @@ InvalidRequest naming the field and what to do about it (sent as INVALID_ARGUMEN
 
 from __future__ import annotations
 
-import math
 import random
 import re
 import uuid
@@ -65,29 +64,37 @@ def validate(msg: pb.GenerateRequest, tokenizer, max_model_len: int, vocab_size:
             f"it exceeds the model's context of {max_model_len} tokens "
             f"(at most {max_model_len - len(ids)})"
         )
-    temperature = s.temperature if s.HasField("temperature") else 1.0
-    if not math.isfinite(temperature) or temperature < 0:
-        raise InvalidRequest(f"sampling.temperature={temperature}: must be >= 0 (0 is greedy)")
-    top_p = s.top_p if s.HasField("top_p") else 1.0
-    if not 0.0 < top_p <= 1.0:
-        raise InvalidRequest(f"sampling.top_p={top_p}: must be in (0, 1]")
-    top_k = s.top_k if s.HasField("top_k") else 0
-    if top_k < -1:
-        raise InvalidRequest(f"sampling.top_k={top_k}: must be >= -1 (0 or -1 disables it)")
-    if any(not x for x in s.stop):
-        raise InvalidRequest("sampling.stop: stop strings must be non-empty")
+
+    def opt(name: str, default):
+        return getattr(s, name) if s.HasField(name) else default
+
+    bad_bias = [t for t in s.logit_bias if not 0 <= t < vocab_size]
+    if bad_bias:
+        raise InvalidRequest(
+            f"sampling.logit_bias: token {bad_bias[0]} is outside the vocabulary [0, {vocab_size})"
+        )
     # A seed is always fixed here and recorded: a replay then draws exactly the tokens the
     # first attempt would have, whether or not the client chose the seed.
     seed = s.seed if s.HasField("seed") else random.getrandbits(63)
-    sampling = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=top_k,
-        seed=seed,
-        stop=tuple(s.stop),
-        stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        logprobs=s.logprobs,
-    )
+    try:
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(opt("temperature", 1.0)),
+            top_p=float(opt("top_p", 1.0)),
+            top_k=opt("top_k", 0),
+            min_p=float(opt("min_p", 0.0)),
+            seed=seed,
+            stop=tuple(s.stop),
+            stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+            logprobs=s.logprobs,
+            top_logprobs=s.top_logprobs,
+            presence_penalty=float(opt("presence_penalty", 0.0)),
+            frequency_penalty=float(opt("frequency_penalty", 0.0)),
+            repetition_penalty=float(opt("repetition_penalty", 1.0)),
+            logit_bias=dict(s.logit_bias),
+            min_tokens=s.min_tokens,
+        )
+    except ValueError as e:  # SamplingParams names the field and the rule
+        raise InvalidRequest(f"sampling.{e}") from None
     return Admission(rid, tuple(ids), sampling, msg.priority, msg.tenant)

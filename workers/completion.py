@@ -37,6 +37,7 @@ class Completion:
     ttft_s: float | None = None
     e2e_s: float | None = None
     logprobs: list[float] | None = None
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
 
     def to_json(self) -> dict:
         d = {
@@ -51,4 +52,6 @@ class Completion:
             d["error"] = self.error
         if self.logprobs is not None:
             d["logprobs"] = self.logprobs
+        if self.top_logprobs is not None:
+            d["top_logprobs"] = [[[t, lp] for t, lp in top] for top in self.top_logprobs]
         return d

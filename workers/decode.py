@@ -41,6 +41,7 @@ from workers.messages import (
     TokenEvent,
     TokenLog,
     WorkerInfo,
+    first_event,
 )
 from workers.token_relay import TokenRelay
 from workers.worker_common import WorkerBase
@@ -220,8 +221,7 @@ class DecodeWorker(WorkerBase):
         outputs = [*spec.output_ids, token]
         held.reserved_until, held.offset = None, len(outputs)
         self.relay.begin(rid, spec.attempt, spec.router_id, list(spec.output_ids))
-        lp = (admission.first_logprob,) if spec.sampling.logprobs else None
-        first = TokenEvent(rid, spec.attempt, len(spec.output_ids), (token,), lp)
+        first = first_event(spec, token, admission.first_logprob, admission.first_top_logprobs)
         out = self.engine.add_prefilled(
             rid,
             list(spec.prompt_ids),
@@ -230,6 +230,7 @@ class DecodeWorker(WorkerBase):
             spec.sampling.seed,
             spec.priority,
             admission.first_logprob,
+            admission.first_top_logprobs,
         )
         if out is None:
             self.relay.emit([first])
@@ -300,6 +301,7 @@ class DecodeWorker(WorkerBase):
             status_of(o),
             o.error or "",
             o.text,
+            tuple(o.new_top_logprobs) if o.new_top_logprobs is not None else None,
         )
 
     # -- requests ---------------------------------------------------------------------------

@@ -143,6 +143,7 @@ class PrefillResult:
     token_id: int | None = None
     logprob: float | None = None
     error: str = ""
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
     @property
     def ok(self) -> bool:
@@ -165,6 +166,7 @@ class KVAdmission:
 
     spec: RequestSpec
     first_logprob: float | None = None
+    first_top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -190,10 +192,31 @@ class TokenEvent:
     status: Status = Status.OK
     error: str = ""
     text: str | None = None  # the text so far, cut at a stop string (stop requests only)
+    # With top_logprobs: per token, its most likely (token id, logprob) alternatives.
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None or self.status is not Status.OK
+
+
+def first_event(
+    spec: RequestSpec,
+    token: int,
+    logprob: float | None,
+    top_logprobs: tuple[tuple[int, float], ...] | None,
+) -> TokenEvent:
+    """The event of the token a prefill sampled after `spec.output_ids`: sent by the router
+    as soon as the prefill returns, and again by the decode worker that admits it."""
+    sp = spec.sampling
+    return TokenEvent(
+        spec.request_id,
+        spec.attempt,
+        len(spec.output_ids),
+        (token,),
+        (logprob,) if sp.logprobs and logprob is not None else None,
+        top_logprobs=(top_logprobs,) if sp.top_logprobs and top_logprobs is not None else None,
+    )
 
 
 @dataclass(frozen=True)

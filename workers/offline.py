@@ -61,7 +61,13 @@ class LLM:
                 if on_delta:
                     on_delta(i, "", True)
                 continue
-            c = Completion(i, rid, ids, logprobs=[] if r.sampling.logprobs else None)
+            c = Completion(
+                i,
+                rid,
+                ids,
+                logprobs=[] if r.sampling.logprobs else None,
+                top_logprobs=[] if r.sampling.top_logprobs else None,
+            )
             by_id[rid] = c
             if on_delta:
                 streams[rid] = TextStream(self.tokenizer, r.sampling.stop)
@@ -75,6 +81,8 @@ class LLM:
                 c.token_ids += out.new_token_ids
                 if c.logprobs is not None and out.new_logprobs:
                     c.logprobs += out.new_logprobs
+                if c.top_logprobs is not None and out.new_top_logprobs:
+                    c.top_logprobs += out.new_top_logprobs
                 generated += len(out.new_token_ids)
                 if on_delta:
                     on_delta(

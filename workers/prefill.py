@@ -38,7 +38,7 @@ from workers.messages import (
     Status,
     WorkerInfo,
 )
-from workers.worker_common import WorkerBase, prefill_sampling
+from workers.worker_common import WorkerBase
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class PrefillWorker(WorkerBase):
         self.engine.abort(spec.request_id)  # an older attempt, if it is still here
         self.engine.add_request(
             list(spec.prompt_ids),
-            prefill_sampling(spec.sampling),
+            spec.sampling,
             spec.request_id,
             spec.priority,
             output_ids=spec.output_ids,
@@ -184,15 +184,18 @@ class PrefillWorker(WorkerBase):
             return
         token = o.new_token_ids[0]
         logprob = o.new_logprobs[0] if o.new_logprobs else None
+        top = o.new_top_logprobs[0] if o.new_top_logprobs else None
         desc = TransferDescriptor(
             spec.request_id, self.layout, len(o.kv_blocks), spec.num_tokens, token
         )
-        push = Push(KVAdmission(spec, logprob), list(o.kv_blocks), desc)
+        push = Push(KVAdmission(spec, logprob, top), list(o.kv_blocks), desc)
         with self._lock:
             self._pushes[spec.request_id] = (push, Future())
         self._sender(entry.job.decode).submit(push)
         entry.result.set_result(
-            PrefillResult(spec.request_id, spec.attempt, Status.OK, token, logprob)
+            PrefillResult(
+                spec.request_id, spec.attempt, Status.OK, token, logprob, top_logprobs=top
+            )
         )
 
     def _sender(self, target: DecodeEndpoint) -> KVSender:

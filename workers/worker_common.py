@@ -8,11 +8,9 @@ import os
 import socket
 import threading
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import replace
 
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
-from workers.engine.request import SamplingParams
 from workers.engine_loop import EngineLoop
 from workers.messages import Pool, WorkerStatus
 
@@ -26,12 +24,6 @@ def node_address() -> str:
         return ray.util.get_node_ip_address()
     except Exception:  # outside Ray (tests): the host's own address
         return socket.gethostbyname(socket.gethostname())
-
-
-def prefill_sampling(sp: SamplingParams) -> SamplingParams:
-    """A prefill samples exactly one token and never decides that it ends the request: the
-    decode worker applies EOS, stop ids and stop strings to it with the rest."""
-    return replace(sp, ignore_eos=True, stop=(), stop_token_ids=())
 
 
 class LivenessPort:

@@ -54,6 +54,42 @@ def test_greedy_streams_equal_the_offline_engine(cluster, reference):
         assert w["kv_blocks_free"] == w["kv_blocks_total"], w  # G3
 
 
+def test_sampling_parameters_through_the_cluster_equal_the_offline_engine(cluster):
+    """Seeded draws with every sampling parameter: the prefill worker draws the first token
+    and the decode worker the rest, with the same tokens and logprobs as one engine."""
+    from workers.engine.request import SamplingParams
+    from workers.offline import LLM, GenerationRequest
+
+    llm = LLM(dtype="float32", num_kv_blocks=512)
+    eos = llm.engine.eos_token_ids[0]
+    kinds = [
+        dict(temperature=0.8, min_p=0.05, repetition_penalty=1.3),
+        dict(temperature=1.0, top_k=40, presence_penalty=1.0, frequency_penalty=0.5),
+        # EOS made the likeliest token: it comes right after min_tokens.
+        dict(temperature=0.0, logit_bias={eos: 100.0}, min_tokens=8),
+        dict(temperature=0.9, top_p=0.9, logprobs=True, top_logprobs=3),
+    ]
+    reqs = [
+        GenerationRequest(
+            prompt=c, sampling=SamplingParams(max_tokens=20, seed=7 + i, **kinds[i % 4])
+        )
+        for i, c in enumerate(CHATS[:8])
+    ]
+    offline = llm.generate(reqs)
+    results = cluster.generate_many(reqs)
+    for r, want in zip(results, offline):
+        assert r.status == "OK", r.error
+        assert r.token_ids == want.token_ids
+        if want.logprobs is not None:
+            assert r.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+            assert [[t for t, _ in top] for top in r.top_logprobs] == [
+                [t for t, _ in top] for top in want.top_logprobs
+            ]
+            assert len(r.top_logprobs) == len(r.token_ids)
+    assert all(r.token_ids[8:] == [eos] for r in results[2::4])
+    cluster.wait_all_free()
+
+
 def test_token_log_and_state_in_redis(cluster):
     from cluster.state import key
     from router.store import RecordState
@@ -129,6 +165,23 @@ def test_client_deadline_frees_blocks(cluster):
         (dict(prompt="hi", sampling=pb.SamplingParams(top_p=0.0)), "top_p=0.0"),
         (dict(prompt="hi", sampling=pb.SamplingParams(top_p=1.5)), "top_p=1.5"),
         (dict(prompt="hi", request_id="bad id!"), "request_id"),
+        (dict(prompt="hi", sampling=pb.SamplingParams(min_p=2.0)), "sampling.min_p=2.0"),
+        (
+            dict(prompt="hi", sampling=pb.SamplingParams(repetition_penalty=0.0)),
+            "sampling.repetition_penalty=0.0",
+        ),
+        (
+            dict(prompt="hi", sampling=pb.SamplingParams(logit_bias={10**6: 1.0})),
+            "sampling.logit_bias: token 1000000 is outside",
+        ),
+        (
+            dict(prompt="hi", sampling=pb.SamplingParams(top_logprobs=3)),
+            "needs logprobs",
+        ),
+        (
+            dict(prompt="hi", sampling=pb.SamplingParams(max_tokens=4, min_tokens=8)),
+            "sampling.min_tokens=8",
+        ),
     ],
 )
 def test_bad_input_gets_invalid_argument(cluster, kwargs, fragment):

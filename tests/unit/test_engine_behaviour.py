@@ -154,3 +154,59 @@ def test_kernel_numerics_against_a_dense_reference(dtype, tol):
         w = torch.einsum("hd,lhd->hl", q[b].float(), keys.float()).mul(d**-0.5).softmax(-1)
         want = torch.einsum("hl,lhd->hd", w, vals.float())
         torch.testing.assert_close(out[b].float(), want, atol=tol, rtol=tol)
+
+
+def test_min_tokens_holds_back_eos_and_stop_strings(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=64, block_size=4)
+    eos = llm.engine.eos_token_ids[0]
+    # EOS made the most likely token: it comes exactly once min_tokens are out.
+    (early, held) = llm.generate(
+        [
+            GenerationRequest(
+                prompt_ids=tuple(PROMPT),
+                sampling=SamplingParams(
+                    max_tokens=20, temperature=0, logit_bias={eos: 100.0}, min_tokens=n
+                ),
+            )
+            for n in (0, 5)
+        ]
+    )
+    assert early.token_ids == [eos] and early.finish_reason == "stop"
+    assert held.token_ids[-1] == eos and len(held.token_ids) == 6
+    assert eos not in held.token_ids[:-1] and held.finish_reason == "stop"
+    # A stop string in the first token ends the request only without min_tokens.
+    free = llm.generate([GenerationRequest(prompt_ids=tuple(PROMPT), sampling=GREEDY_LONG)])[0]
+    first = llm.tokenizer.decode(free.token_ids[:1])
+    stop = first.strip()[:2]
+    assert stop, "the tiny model's first token is printable"
+    cut, late = llm.generate(
+        [
+            GenerationRequest(
+                prompt_ids=tuple(PROMPT),
+                sampling=SamplingParams(
+                    max_tokens=30, temperature=0, ignore_eos=True, stop=(stop,), min_tokens=n
+                ),
+            )
+            for n in (0, 3)
+        ]
+    )
+    assert len(cut.token_ids) == 1 and cut.finish_reason == "stop"
+    assert len(late.token_ids) > 3 and late.token_ids == free.token_ids[: len(late.token_ids)]
+    assert late.text.startswith(first)
+
+
+GREEDY_LONG = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+
+
+def test_top_logprobs_come_with_every_token(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=64, block_size=4)
+    sp = SamplingParams(max_tokens=6, temperature=0.8, seed=3, logprobs=True, top_logprobs=4)
+    (c,) = llm.generate([GenerationRequest(prompt_ids=tuple(PROMPT), sampling=sp)])
+    assert len(c.top_logprobs) == len(c.token_ids) == len(c.logprobs) == 6
+    for token, lp, top in zip(c.token_ids, c.logprobs, c.top_logprobs):
+        assert len(top) == 4
+        values = [v for _, v in top]
+        assert values == sorted(values, reverse=True)
+        assert lp <= values[0] + 1e-6
+        if token in dict(top):
+            assert dict(top)[token] == pytest.approx(lp, abs=1e-5)

@@ -48,6 +48,8 @@ class RequestOutput:
     text: str | None = None
     # keep_kv requests that ended naturally: the blocks now held for them (see release_kv).
     kv_blocks: list[int] | None = None
+    # Only for requests that asked for top_logprobs: per new token, (token id, logprob) pairs.
+    new_top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,11 @@ class EngineStats:
     reserved: int
     preemptions: int
     prefix_hit_blocks: int
+
+
+def _stops_armed(req: Request) -> bool:
+    """Stop strings end a request only once it has more than min_tokens tokens, as in vLLM."""
+    return req.num_output_tokens > req.sampling.min_tokens
 
 
 class LLMEngine:
@@ -120,6 +127,7 @@ class LLMEngine:
         are computed with the prompt and generation continues after them, with the sampler at
         the same positions and the same remaining budget as if it had never stopped."""
         self.validate_prompt(list(prompt_token_ids) + list(output_ids))
+        self.validate_sampling(sampling)
         req = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=list(prompt_token_ids),
@@ -136,11 +144,19 @@ class LLMEngine:
         return req.request_id
 
     def _watch_stops(self, req: Request) -> None:
-        if req.sampling.stop:
+        if req.sampling.stop and req.stop_after is None:  # a prefill never ends on a stop
             matcher = StopStringMatcher(self.tokenizer, req.sampling.stop)
             if req.output_token_ids:  # a replay: the text so far may hold a stop's beginning
                 matcher.push(req.output_token_ids)
             self._stops[req.request_id] = matcher
+
+    def validate_sampling(self, sampling: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t, _ in sampling.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(
+                f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
 
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -210,6 +226,7 @@ class LLMEngine:
         seed: int,
         priority: int = 0,
         last_logprob: float | None = None,
+        last_top_logprobs: tuple[tuple[int, float], ...] | None = None,
     ) -> RequestOutput | None:
         """Admit a request prefilled elsewhere: the KV of the prompt and of every output
         token but the last (just sampled) is in its reserved blocks. Returns its final
@@ -225,6 +242,8 @@ class LLMEngine:
         )
         if last_logprob is not None and sampling.logprobs:
             req.output_logprobs.append(last_logprob)
+        if last_top_logprobs is not None and sampling.top_logprobs:
+            req.output_top_logprobs.append(tuple(last_top_logprobs))
         self.scheduler.add_prefilled(req)
         last = req.output_token_ids[-1]
         if sampling.stop:
@@ -232,7 +251,7 @@ class LLMEngine:
             self._stops[request_id] = matcher
             if len(output_ids) > 1:
                 matcher.push(req.output_token_ids[:-1])
-            if matcher.push([last]) is not None:
+            if matcher.push([last], search=_stops_armed(req)) is not None:
                 self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
         status = self.scheduler.check_stop(req, last)
         if status is not None and not req.is_finished:
@@ -287,23 +306,28 @@ class LLMEngine:
         text = None
         matcher = self._stops.get(req.request_id)
         if matcher is not None:
-            hit = matcher.push(new_ids)
+            hit = matcher.push(new_ids, search=_stops_armed(req))
             text = matcher.text
             if hit is not None and not req.is_finished:
                 # Keep the tokens up to the one that completed the match.
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             if req.is_finished:
                 del self._stops[req.request_id]
-        logprobs = req.output_logprobs[-len(new_ids) :] if req.sampling.logprobs else None
+        sp = req.sampling
+
+        def new(xs: list) -> list:  # the entries of this step's tokens
+            return xs[len(xs) - len(new_ids) :]
+
         return RequestOutput(
             req.request_id,
             new_ids,
             req.is_finished,
             req.finish_reason,
             req.error,
-            logprobs,
+            new(req.output_logprobs) if sp.logprobs else None,
             text,
             req.kept_blocks,
+            new_top_logprobs=new(req.output_top_logprobs) if sp.top_logprobs else None,
         )
 
     def _fail(self, request_id: str, message: str) -> RequestOutput:

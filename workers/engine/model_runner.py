@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from kv_transfer.layout import KVLayout
-from workers.engine.sampler import SamplingTensors, sample
-from workers.engine.scheduler_output import SampledToken, SchedulerOutput
+from workers.engine.sampler import Penalties, SamplingTensors, sample
+from workers.engine.scheduler_output import SampledToken, ScheduledRequest, SchedulerOutput
 from workers.model.attention import AttentionMetadata, PrefillSlice, select_backend
 from workers.model.llama import LlamaForCausalLM
 
@@ -74,12 +74,23 @@ class ModelRunner:
         if not rows:
             return []
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
-        result = sample(logits, self._sampling_tensors(samplers))
+        result = sample(logits, sampling_tensors(samplers, logits.shape[-1], dev))
         ids = result.token_ids.tolist()
         lps = result.logprobs.tolist() if result.logprobs is not None else [None] * len(ids)
+        tops = [None] * len(ids)
+        if result.top_ids is not None:
+            tops = [
+                tuple(zip(t, v))
+                for t, v in zip(result.top_ids.tolist(), result.top_logprobs.tolist())
+            ]
         return [
-            SampledToken(s.request_id, tok, lp if s.sampling.logprobs else None)
-            for s, tok, lp in zip(samplers, ids, lps)
+            SampledToken(
+                s.request_id,
+                tok,
+                lp if s.sampling.logprobs else None,
+                top[: s.sampling.top_logprobs] if s.sampling.top_logprobs else None,
+            )
+            for s, tok, lp, top in zip(samplers, ids, lps, tops)
         ]
 
     def export_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
@@ -126,20 +137,65 @@ class ModelRunner:
             prefills=prefills,
         )
 
-    def _sampling_tensors(self, reqs) -> SamplingTensors:
-        dev = self.device
-        params = [s.sampling for s in reqs]
-        return SamplingTensors(
-            temperature=torch.tensor(
-                [p.temperature for p in params], dtype=torch.float32, device=dev
-            ),
-            top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long, device=dev),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-            seeds=torch.tensor([s.seed & (2**63 - 1) for s in reqs], dtype=torch.long, device=dev),
-            counters=torch.tensor(
-                [s.num_output_tokens for s in reqs], dtype=torch.long, device=dev
-            ),
-            all_greedy=all(p.greedy for p in params),
-            any_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
-            want_logprobs=any(p.logprobs for p in params),
+
+def sampling_tensors(reqs: list[ScheduledRequest], vocab: int, dev) -> SamplingTensors:
+    """The batch's sampling parameters as tensors; the optional parts only when a row uses
+    them, so that a plain batch pays for none."""
+    params = [s.sampling for s in reqs]
+
+    def col(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=dev)
+
+    t = SamplingTensors(
+        temperature=col([p.temperature for p in params], torch.float32),
+        top_k=col([max(p.top_k, 0) for p in params], torch.long),
+        top_p=col([p.top_p for p in params], torch.float32),
+        seeds=col([s.seed & (2**63 - 1) for s in reqs], torch.long),
+        counters=col([s.num_output_tokens for s in reqs], torch.long),
+        all_greedy=all(p.greedy for p in params),
+        any_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+        want_logprobs=any(p.logprobs for p in params),
+        top_logprobs=max(p.top_logprobs for p in params),
+    )
+    if any(p.min_p > 0 for p in params):
+        t.min_p = col([p.min_p for p in params], torch.float32)
+    edits = []  # (row, token id, value)
+    for i, s in enumerate(reqs):
+        sp = s.sampling
+        edits += [(i, token, bias) for token, bias in sp.logit_bias if token < vocab]
+        if s.num_output_tokens < sp.min_tokens:
+            banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(s.eos_token_ids))
+            edits += [(i, token, float("-inf")) for token in sorted(banned) if token < vocab]
+    if edits:
+        rows, cols, values = zip(*edits)
+        t.logit_edits = (
+            col(rows, torch.long),
+            col(cols, torch.long),
+            col(values, torch.float32),
         )
+    penalized = [i for i, p in enumerate(params) if p.penalized]
+    if penalized:
+        t.penalties = _penalties([reqs[i] for i in penalized], penalized, vocab, dev)
+    return t
+
+
+def _penalties(reqs: list[ScheduledRequest], rows: list[int], vocab: int, dev) -> Penalties:
+    """Token counts over each penalized row's output, and which tokens its prompt holds."""
+    counts = torch.zeros((len(reqs), vocab), dtype=torch.float32, device=dev)
+    in_prompt = torch.zeros((len(reqs), vocab), dtype=torch.bool, device=dev)
+    for r, s in enumerate(reqs):
+        out = torch.tensor(s.output_ids[: s.num_output_tokens], dtype=torch.long, device=dev)
+        counts[r].index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
+        prompt = torch.tensor(s.prompt_ids, dtype=torch.long, device=dev)
+        in_prompt[r, prompt] = True
+    sp = [s.sampling for s in reqs]
+    return Penalties(
+        rows=torch.tensor(rows, dtype=torch.long, device=dev),
+        presence=torch.tensor([p.presence_penalty for p in sp], dtype=torch.float32, device=dev),
+        frequency=torch.tensor([p.frequency_penalty for p in sp], dtype=torch.float32, device=dev),
+        repetition=torch.tensor(
+            [p.repetition_penalty for p in sp], dtype=torch.float32, device=dev
+        ),
+        output_counts=counts,
+        in_prompt=in_prompt,
+    )

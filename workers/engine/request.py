@@ -40,46 +40,109 @@ class FinishReason(str, enum.Enum):
         }[status]
 
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM's default
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """vLLM's meanings: temperature 0 is greedy; top_k 0 or -1 and top_p 1 disable filtering;
-    ignore_eos lets EOS be emitted like any other token without ending the request."""
+    """vLLM's meanings: temperature 0 is greedy; top_k 0 or -1, top_p 1 and min_p 0 disable
+    filtering; ignore_eos lets EOS be emitted like any other token without ending the request.
+
+    Penalties, as vLLM applies them: `repetition_penalty` divides the positive logits (and
+    multiplies the negative ones) of every token seen in the prompt or the output;
+    `frequency_penalty` is subtracted once per time a token was already output and
+    `presence_penalty` once if it was. `logit_bias` adds to the logits of the token ids it
+    names. Until `min_tokens` tokens are out, EOS and `stop_token_ids` cannot be drawn and stop
+    strings do not end the request. `top_logprobs` (with `logprobs`) returns that many most
+    likely alternatives with each token. Logprobs are those of the raw model distribution,
+    before any penalty, bias or temperature.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # (token id, bias) pairs, sorted; a dict {id: bias} is accepted and normalized.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, dict) else bias
+        try:
+            norm = tuple(sorted((int(t), float(b)) for t, b in pairs))
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias={bias!r}: must map token ids to numbers") from None
+        object.__setattr__(self, "logit_bias", norm)
         self.validate()
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name}={getattr(self, name)!r}: {why}")
 
+        def number(name: str) -> float:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(name, "must be a finite number")
+            return v
+
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise bad("max_tokens", "must be a positive integer")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
-            raise bad("temperature", "must be a finite number")
-        if self.temperature < 0:
+        if number("temperature") < 0:
             raise bad("temperature", "must be >= 0 (0 means greedy)")
-        if not (0.0 < self.top_p <= 1.0):
+        if not (0.0 < number("top_p") <= 1.0):
             raise bad("top_p", "must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise bad("top_k", "must be an integer >= -1 (0 or -1 disables it)")
+        if not (0.0 <= number("min_p") <= 1.0):
+            raise bad("min_p", "must be in [0, 1] (0 disables it)")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        if not isinstance(self.top_logprobs, int) or not (
+            0 <= self.top_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise bad("top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if self.top_logprobs and not self.logprobs:
+            raise bad("top_logprobs", "needs logprobs=true")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= number(name) <= 2.0:
+                raise bad(name, "must be in [-2, 2] (0 disables it)")
+        if number("repetition_penalty") <= 0:
+            raise bad("repetition_penalty", "must be > 0 (1 disables it)")
+        for token, b in self.logit_bias:
+            if token < 0:
+                raise bad("logit_bias", f"token id {token} is negative")
+            if not (math.isfinite(b) and -100.0 <= b <= 100.0):
+                raise bad("logit_bias", f"the bias of token {token} must be in [-100, 100]")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be at most max_tokens={self.max_tokens}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a draw depends on the tokens seen so far (prompt and output)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
 
 @dataclass
@@ -93,6 +156,8 @@ class Request:
     seed: int = 0  # resolved sampling seed (drawn at admission when the request gave none)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # With top_logprobs: per output token, its most likely (token id, logprob) alternatives.
+    output_top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at last admission
@@ -100,6 +165,8 @@ class Request:
     error: str | None = None
     # End the request, as if max_tokens were reached, once it has this many output tokens
     # (a prefill worker samples one token past what it was given, then hands the KV on).
+    # Such a request draws with every sampling parameter but never ends on EOS, a stop
+    # token or a stop string: the decode worker decides that.
     stop_after: int | None = None
     # On a natural end, hold the blocks of every computed token instead of freeing them: a
     # prefill's KV stays readable until the worker that sends it calls `release_kv`.

@@ -1,4 +1,11 @@
-"""Batched sampling on the device: greedy, temperature, top-k, top-p, per-request seeds.
+"""Batched sampling on the device: greedy, temperature, top-k, top-p, min-p, penalties,
+logit bias, min_tokens and per-request seeds, in vLLM's order:
+
+1. logprobs (and top alternatives) of the raw model distribution;
+2. logit bias, then the min_tokens ban of EOS and stop tokens;
+3. repetition, frequency and presence penalties;
+4. greedy rows take the argmax of what that leaves; sampling rows divide by their
+   temperature, then min-p, top-k and top-p cut the support, and a token is drawn.
 
 A draw is inverse-CDF sampling with one uniform per (request, output index): the uniform is
 a counter-based hash of (seed, index), and the token is the first whose cumulative
@@ -22,6 +29,18 @@ _MASK32 = 0xFFFFFFFF
 
 
 @dataclass
+class Penalties:
+    """For the rows `rows` of the batch, which ask for a penalty."""
+
+    rows: torch.Tensor  # [R] int64
+    presence: torch.Tensor  # [R] float
+    frequency: torch.Tensor  # [R] float
+    repetition: torch.Tensor  # [R] float
+    output_counts: torch.Tensor  # [R, V] float: times each token was output so far
+    in_prompt: torch.Tensor  # [R, V] bool
+
+
+@dataclass
 class SamplingTensors:
     temperature: torch.Tensor  # [N] float; 0 for greedy rows
     top_k: torch.Tensor  # [N] int64; 0 disables
@@ -31,12 +50,20 @@ class SamplingTensors:
     all_greedy: bool
     any_filter: bool
     want_logprobs: bool
+    min_p: torch.Tensor | None = None  # [N] float, when some row sets it; 0 disables
+    top_logprobs: int = 0  # the most alternatives any row asks for
+    penalties: Penalties | None = None
+    # Sparse additions to the logits, (rows, token ids, values): logit bias, and -inf for
+    # the tokens min_tokens bans.
+    logit_edits: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [N] int64
     logprobs: torch.Tensor | None  # [N] float: log p(token) under the raw model distribution
+    top_ids: torch.Tensor | None = None  # [N, top_logprobs] int64, most likely first
+    top_logprobs: torch.Tensor | None = None  # [N, top_logprobs] float
 
 
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
@@ -112,16 +139,50 @@ def _cut(vals, k, top_p, uncut: torch.Tensor, whole: torch.Tensor | None):
     return vals.gather(-1, last[:, None]).squeeze(-1), settled
 
 
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """vLLM's penalties on the rows `p.rows`: repetition over prompt and output, frequency
+    and presence over the output."""
+    x = logits[p.rows]
+    output_seen = p.output_counts > 0
+    rep = torch.where(p.in_prompt | output_seen, p.repetition[:, None], 1.0)
+    x = torch.where(x > 0, x / rep, x * rep)
+    x = x - p.frequency[:, None] * p.output_counts - p.presence[:, None] * output_seen
+    out = logits.clone()
+    out[p.rows] = x
+    return out
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens less likely than min_p times the row's most likely one (min_p 0 keeps
+    every token; the most likely always stays)."""
+    probs = logits.softmax(dim=-1)
+    keep = probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def adjust_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Steps 2 and 3 of the module's order: what both greedy and sampled rows choose from."""
+    if t.logit_edits is not None:
+        rows, cols, values = t.logit_edits
+        logits = logits.index_put((rows, cols), values, accumulate=True)
+    if t.penalties is not None:
+        logits = apply_penalties(logits, t.penalties)
+    return logits
+
+
 def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     """logits: [N, V] float32, one row per request that samples this step."""
+    raw = logits
+    logits = adjust_logits(logits, t)
     greedy_ids = logits.argmax(dim=-1)
-    logprobs = None
     if t.all_greedy:
         token_ids = greedy_ids
     else:
         greedy = t.temperature == 0
         temp = torch.where(greedy, torch.ones_like(t.temperature), t.temperature)
         scaled = logits / temp[:, None]
+        if t.min_p is not None:
+            scaled = apply_min_p(scaled, t.min_p)
         if t.any_filter:
             scaled = _apply_filters(scaled, t.top_k, t.top_p)
         cdf = scaled.softmax(dim=-1).double().cumsum(dim=-1)
@@ -131,6 +192,10 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         drawn = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
         drawn = drawn.clamp(max=logits.shape[-1] - 1)  # NaN logits: a bad id, not a crash
         token_ids = torch.where(greedy, greedy_ids, drawn)
+    out = SamplerOutput(token_ids=token_ids, logprobs=None)
     if t.want_logprobs:
-        logprobs = logits.log_softmax(dim=-1).gather(-1, token_ids[:, None]).squeeze(-1)
-    return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        lsm = raw.log_softmax(dim=-1)
+        out.logprobs = lsm.gather(-1, token_ids[:, None]).squeeze(-1)
+        if t.top_logprobs > 0:
+            out.top_logprobs, out.top_ids = lsm.topk(t.top_logprobs, dim=-1)
+    return out

@@ -201,6 +201,8 @@ class Scheduler:
             req.output_token_ids.append(tok.token_id)
             if tok.logprob is not None:
                 req.output_logprobs.append(tok.logprob)
+            if tok.top_logprobs is not None:
+                req.output_top_logprobs.append(tok.top_logprobs)
             status = self.check_stop(req, tok.token_id)
             if status is not None:
                 self.finish_request(req.request_id, status)
@@ -247,6 +249,9 @@ class Scheduler:
             sampling=req.sampling,
             seed=req.seed,
             num_output_tokens=req.num_output_tokens,
+            prompt_ids=req.prompt_token_ids,
+            output_ids=req.output_token_ids,
+            eos_token_ids=req.eos_token_ids,
         )
         (out.decodes if n == 1 else out.prefills).append(sched)
 
@@ -262,10 +267,13 @@ class Scheduler:
     def check_stop(self, req: Request, token: int) -> RequestStatus | None:
         """The status that `token` ends the request with, or None."""
         sp = req.sampling
-        if token in sp.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if not sp.ignore_eos and token in req.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
+        # Before min_tokens, EOS and stop tokens are never drawn, nor do they end a request.
+        # A prefill (stop_after) draws with them but leaves ending to the decode worker.
+        if req.stop_after is None and req.num_output_tokens >= sp.min_tokens:
+            if token in sp.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         if req.stop_after is not None and req.num_output_tokens >= req.stop_after:

@@ -17,6 +17,10 @@ class ScheduledRequest:
     sampling: SamplingParams
     seed: int
     num_output_tokens: int  # output tokens before this step: the sampler's counter
+    # The request's own lists (not copies), read by penalties and min_tokens while it samples.
+    prompt_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    eos_token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -53,3 +57,4 @@ class SampledToken:
     request_id: str
     token_id: int
     logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None  # (token id, logprob), best first

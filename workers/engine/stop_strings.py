@@ -13,12 +13,14 @@ class StopStringMatcher:
         self.text = ""
         self.stopped: str | None = None
 
-    def push(self, new_ids: list[int]) -> str | None:
-        """Feed new tokens; returns the stop string once one appears (text is cut before it)."""
+    def push(self, new_ids: list[int], search: bool = True) -> str | None:
+        """Feed new tokens; returns the stop string once one appears (text is cut before it).
+        With `search` False the text grows but is not searched (min_tokens not yet reached)."""
         if self.stopped is not None:
             return self.stopped
         delta = self.detok.push(new_ids)
-        if not delta:
+        if not delta or not search:
+            self.text += delta
             return None
         # Only the tail can hold a new match: the delta plus what a stop string could straddle.
         start = max(0, len(self.text) - self._longest + 1)
