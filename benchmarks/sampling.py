@@ -9,7 +9,8 @@
    for top-k/top-p. Each cell is the median of --iters calls, then the median over --runs
    runs (the two designs alternate within each run).
 2. The engine's decode step on the default model (fp32), batch 16, for each of the same
-   modes: the median step time over --steps decode steps.
+   modes and for min-p, the three penalties together, logit bias with min_tokens, and
+   top_logprobs: the median step time over --steps decode steps.
 Prints both tables; writes benchmarks/results/sampling.json.
 """
 
@@ -32,6 +33,14 @@ from workers.engine.sampler import _MASK32, SamplingTensors, _fmix32, sample  # 
 VOCAB = 49152
 MODES = {"greedy": (0.0, 0, 1.0), "temperature 1": (1.0, 0, 1.0), "top_k 50": (1.0, 50, 1.0)}
 MODES["top_p 0.9"] = (1.0, 0, 0.9)
+# The decode-step table: those modes, then the parameters that build more per step.
+STEP_MODES = {
+    mode: dict(temperature=temp, top_k=k, top_p=p) for mode, (temp, k, p) in MODES.items()
+}
+STEP_MODES["min_p 0.05"] = dict(min_p=0.05)
+STEP_MODES["penalties"] = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
+STEP_MODES["logit_bias + min_tokens"] = dict(logit_bias={2: -5.0, 198: 2.0}, min_tokens=20)
+STEP_MODES["top_logprobs 5"] = dict(logprobs=True, top_logprobs=5)
 
 
 def tensors(n: int, temperature: float, top_k: int, top_p: float) -> SamplingTensors:
@@ -125,10 +134,8 @@ def step_table(steps: int, batch: int = 16) -> list[dict]:
     engine = LLMEngine(EngineConfig(dtype="float32", max_num_seqs=batch))
     prompt = list(range(100, 132))
     rows = []
-    for mode, (temp, k, p) in MODES.items():
-        sp = SamplingParams(
-            max_tokens=steps + 4, temperature=temp, top_k=k, top_p=p, seed=1, ignore_eos=True
-        )
+    for mode, kw in STEP_MODES.items():
+        sp = SamplingParams(max_tokens=steps + 4, seed=1, ignore_eos=True, **kw)
         for i in range(batch):
             engine.add_request(prompt, sp, f"{mode}-{i}")
         times = []

@@ -193,6 +193,17 @@ def test_min_tokens_holds_back_eos_and_stop_strings(tiny_llama_dir):
     assert len(cut.token_ids) == 1 and cut.finish_reason == "stop"
     assert len(late.token_ids) > 3 and late.token_ids == free.token_ids[: len(late.token_ids)]
     assert late.text.startswith(first)
+    # A replay that resumes after the first two tokens (the stop string among them, held back
+    # by min_tokens) goes on to the same end.
+    engine = llm.engine
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=(stop,), min_tokens=3)
+    rid = engine.add_request(PROMPT, sp, output_ids=late.token_ids[:2])
+    replayed = list(late.token_ids[:2])
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.request_id == rid
+            replayed += o.new_token_ids
+    assert replayed == late.token_ids
 
 
 GREEDY_LONG = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)

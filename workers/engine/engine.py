@@ -147,7 +147,7 @@ class LLMEngine:
         if req.sampling.stop and req.stop_after is None:  # a prefill never ends on a stop
             matcher = StopStringMatcher(self.tokenizer, req.sampling.stop)
             if req.output_token_ids:  # a replay: the text so far may hold a stop's beginning
-                matcher.push(req.output_token_ids)
+                matcher.push(req.output_token_ids, search=False)  # but never a whole one
             self._stops[req.request_id] = matcher
 
     def validate_sampling(self, sampling: SamplingParams) -> None:
@@ -249,8 +249,8 @@ class LLMEngine:
         if sampling.stop:
             matcher = StopStringMatcher(self.tokenizer, sampling.stop)
             self._stops[request_id] = matcher
-            if len(output_ids) > 1:
-                matcher.push(req.output_token_ids[:-1])
+            if len(output_ids) > 1:  # emitted before: no stop ended them
+                matcher.push(req.output_token_ids[:-1], search=False)
             if matcher.push([last], search=_stops_armed(req)) is not None:
                 self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
         status = self.scheduler.check_stop(req, last)
