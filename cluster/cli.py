@@ -49,8 +49,10 @@ class _OrderedPrinter:
     """Streams the earliest unfinished request live; later ones are buffered and printed in
     input order once their turn comes, so the terminal reads top to bottom."""
 
-    def __init__(self, total: int, out=sys.stdout) -> None:
-        self.total, self.out = total, out
+    def __init__(self, headers: list[str], out=sys.stdout) -> None:
+        """`headers`: one per slot (a request's choice), printed above it when there are
+        several."""
+        self.headers, self.total, self.out = headers, len(headers), out
         self.pending: dict[int, list[str]] = {}
         self.finished: set[int] = set()
         self.current = 0
@@ -63,7 +65,7 @@ class _OrderedPrinter:
         while self.current < self.total:
             i = self.current
             if self.total > 1 and self.headed < i:
-                self.out.write(f"=== request {i} ===\n")
+                self.out.write(f"=== {self.headers[i]} ===\n")
                 self.headed = i
             self.out.write("".join(self.pending.pop(i, [])))
             if i not in self.finished:
@@ -120,7 +122,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for c in results:
             print(json.dumps(c.to_json()), flush=True)
     else:
-        results = llm.generate(requests, on_delta=_OrderedPrinter(len(requests)))
+        headers = [
+            f"request {i}" + (f", choice {c}" if r.sampling.n > 1 else "")
+            for i, r in enumerate(requests)
+            for c in range(r.sampling.n)
+        ]
+        results = llm.generate(requests, on_delta=_OrderedPrinter(headers))
     return 1 if any(c.finish_reason == "error" for c in results) else 0
 
 

@@ -2,7 +2,7 @@
 benchmarks: one request per line, `{"prompt": str}` or `{"prompt_ids": [int]}`, with optional
 sampling fields as SamplingParams names them (max_tokens, temperature, top_p, top_k, min_p,
 seed, ignore_eos, stop, stop_token_ids, logprobs, top_logprobs, presence_penalty,
-frequency_penalty, repetition_penalty, logit_bias as {"token id": bias}, min_tokens) and
+frequency_penalty, repetition_penalty, logit_bias as {"token id": bias}, min_tokens, n) and
 priority."""
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ _SAMPLING_FIELDS = {
     "repetition_penalty": (int, float),
     "logit_bias": dict,
     "min_tokens": int,
+    "n": int,
 }
 # "kind" labels a request for benchmarks (e.g. chat / long) and is otherwise ignored.
 _FIELDS = {"prompt", "prompt_ids", "priority", "kind", *_SAMPLING_FIELDS}

@@ -44,6 +44,7 @@ def to_proto(req: GenerationRequest, request_id: str = "") -> pb.GenerateRequest
         repetition_penalty=sp.repetition_penalty,
         logit_bias=dict(sp.logit_bias),
         min_tokens=sp.min_tokens,
+        n=sp.n,
     )
     if sp.seed is not None:
         sampling.seed = sp.seed

@@ -73,6 +73,11 @@ def validate(msg: pb.GenerateRequest, tokenizer, max_model_len: int, vocab_size:
         raise InvalidRequest(
             f"sampling.logit_bias: token {bad_bias[0]} is outside the vocabulary [0, {vocab_size})"
         )
+    if s.n > 1:
+        raise InvalidRequest(
+            f"sampling.n={s.n}: a cluster serves one completion per request; send n "
+            "requests with seeds seed, seed + 1, ... (what n > 1 draws in the offline engine)"
+        )
     # A seed is always fixed here and recorded: a replay then draws exactly the tokens the
     # first attempt would have, whether or not the client chose the seed.
     seed = s.seed if s.HasField("seed") else random.getrandbits(63)

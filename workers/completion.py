@@ -38,10 +38,12 @@ class Completion:
     e2e_s: float | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
+    choice: int = 0  # which of the request's n completions
 
     def to_json(self) -> dict:
         d = {
             "index": self.index,
+            "choice": self.choice,
             "token_ids": self.token_ids,
             "text": self.text,
             "finish_reason": self.finish_reason,

@@ -42,39 +42,49 @@ class LLM:
         on_delta: DeltaCallback | None = None,
         on_progress: Callable[[int, int, int], None] | None = None,
     ) -> list[Completion]:
-        """Runs every request to its end. Invalid requests end with finish_reason "error"
-        and do not disturb the rest. on_progress gets (finished, total, output tokens)."""
+        """Runs every request to its end: one Completion per request and choice (n > 1 gives
+        n, even when rejected), in input order, then choice order. Invalid requests end with
+        finish_reason "error" and do not disturb the rest. on_delta gets (slot, text delta,
+        finished), a slot being a completion's position in the result; on_progress gets
+        (finished, total, output tokens)."""
         engine = self.engine
         t0 = time.perf_counter()
-        done: list[Completion] = []
-        by_id: dict[str, Completion] = {}
-        streams: dict[str, TextStream] = {}
+        slots: list[Completion] = []
+        by_id: dict[tuple[str, int], Completion] = {}
+        streams: dict[int, TextStream] = {}
         for i, r in enumerate(requests):
             try:
                 ids = self.encode(r)
                 rid = engine.add_request(ids, r.sampling, priority=r.priority)
             except ValueError as e:
-                c = Completion(
-                    i, f"rejected-{i}", [], finish_reason="error", error=str(e), e2e_s=0.0
-                )
-                done.append(c)
-                if on_delta:
-                    on_delta(i, "", True)
+                for choice in range(r.sampling.n):
+                    c = Completion(
+                        i, f"rejected-{i}", [], finish_reason="error", error=str(e), e2e_s=0.0
+                    )
+                    c.choice = choice
+                    slots.append(c)
+                    if on_delta:
+                        on_delta(len(slots) - 1, "", True)
                 continue
-            c = Completion(
-                i,
-                rid,
-                ids,
-                logprobs=[] if r.sampling.logprobs else None,
-                top_logprobs=[] if r.sampling.top_logprobs else None,
-            )
-            by_id[rid] = c
-            if on_delta:
-                streams[rid] = TextStream(self.tokenizer, r.sampling.stop)
+            for choice in range(r.sampling.n):
+                c = Completion(
+                    i,
+                    rid,
+                    ids,
+                    logprobs=[] if r.sampling.logprobs else None,
+                    top_logprobs=[] if r.sampling.top_logprobs else None,
+                    choice=choice,
+                )
+                by_id[rid, choice] = c
+                slots.append(c)
+                if on_delta:
+                    streams[len(slots) - 1] = TextStream(self.tokenizer, r.sampling.stop)
+        slot_of = {id(c): n for n, c in enumerate(slots)}
+        done = sum(c.finish_reason is not None for c in slots)
         generated = 0
         while engine.has_unfinished():
             for out in engine.step():
-                c = by_id[out.request_id]
+                c = by_id[out.request_id, out.index]
                 now = time.perf_counter() - t0
                 if out.new_token_ids and c.ttft_s is None:
                     c.ttft_s = now
@@ -85,11 +95,9 @@ class LLM:
                     c.top_logprobs += out.new_top_logprobs
                 generated += len(out.new_token_ids)
                 if on_delta:
-                    on_delta(
-                        c.index,
-                        streams[out.request_id].push(out.new_token_ids, out.text, out.finished),
-                        out.finished,
-                    )
+                    slot = slot_of[id(c)]
+                    delta = streams[slot].push(out.new_token_ids, out.text, out.finished)
+                    on_delta(slot, delta, out.finished)
                 if out.finished:
                     c.e2e_s = now
                     c.finish_reason = out.finish_reason.value
@@ -97,7 +105,7 @@ class LLM:
                     c.text = (
                         out.text if out.text is not None else self.tokenizer.decode(c.token_ids)
                     )
-                    done.append(c)
+                    done += 1
                     if on_progress:
-                        on_progress(len(done), len(requests), generated)
-        return sorted(done, key=lambda c: c.index)
+                        on_progress(done, len(slots), generated)
+        return slots

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ctandem.proto\x12\ttandem.v1\"\xe0\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x12\n\x05min_p\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\x05\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x08\x88\x01\x01\x12<\n\nlogit_bias\x18\x0f \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x10 \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"\x98\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0e\n\x06tenant\x18\x06 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"N\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\"\xb8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x1f\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Final\x12,\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"3\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\"\x0f\n\rStatusRequest\"\x9b\x02\n\x0cWorkerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\x05\x12\x0f\n\x07running\x18\x07 \x01(\x05\x12\x0f\n\x07waiting\x18\x08 \x01(\x05\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\x10\n\x08reserved\x18\n \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x0b \x01(\x03\x12\r\n\x05steps\x18\x0c \x01(\x03\x12\x13\n\x0bpreemptions\x18\r \x01(\x03\x12\x19\n\x11prefix_hit_blocks\x18\x0e \x01(\x03\"\x81\x02\n\x0cRouterStatus\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\x05\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x11\n\trouter_id\x18\x04 \x01(\t\x12\x12\n\ncontroller\x18\x05 \x01(\x08\x12\x19\n\x11replays_in_flight\x18\x06 \x01(\x05\x12\x15\n\rreplays_total\x18\x07 \x01(\x03\x12\x19\n\x11replays_recovered\x18\x08 \x01(\x03\x12\x16\n\x0erecovery_p50_s\x18\t \x01(\x02\x12\x16\n\x0erecovery_max_s\x18\n \x01(\x02\x12\x17\n\x0fstore_available\x18\x0b \x01(\x08\"\\\n\nPoolStatus\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\x05\x12\x0c\n\x04live\x18\x03 \x01(\x05\x12\x10\n\x08starting\x18\x04 \x01(\x05\x12\x10\n\x08restarts\x18\x05 \x01(\x05\"\xb2\x01\n\x0eStatusResponse\x12(\n\x07prefill\x18\x01 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12\'\n\x06\x64\x65\x63ode\x18\x02 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12\'\n\x06router\x18\x03 \x01(\x0b\x32\x17.tandem.v1.RouterStatus\x12$\n\x05pools\x18\x04 \x03(\x0b\x32\x15.tandem.v1.PoolStatus\".\n\x0cScaleRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\x05\" \n\rScaleResponse\x12\x0f\n\x07workers\x18\x01 \x03(\t\"1\n\x0c\x44rainRequest\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x02\"1\n\rDrainResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\xd5\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12=\n\x06\x43\x61ncel\x12\x18.tandem.v1.CancelRequest\x1a\x19.tandem.v1.CancelResponse\x12\x41\n\x06Resume\x12\x18.tandem.v1.ResumeRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x32\xbe\x01\n\x05\x41\x64min\x12=\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x19.tandem.v1.StatusResponse\x12:\n\x05Scale\x12\x17.tandem.v1.ScaleRequest\x1a\x18.tandem.v1.ScaleResponse\x12:\n\x05\x44rain\x12\x17.tandem.v1.DrainRequest\x1a\x18.tandem.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ctandem.proto\x12\ttandem.v1\"\xeb\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x12\n\x05min_p\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\x05\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x08\x88\x01\x01\x12<\n\nlogit_bias\x18\x0f \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x10 \x01(\x05\x12\t\n\x01n\x18\x11 \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"\x98\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0e\n\x06tenant\x18\x06 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"N\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\"\xb8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x1f\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Final\x12,\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"3\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\"\x0f\n\rStatusRequest\"\x9b\x02\n\x0cWorkerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\x05\x12\x0f\n\x07running\x18\x07 \x01(\x05\x12\x0f\n\x07waiting\x18\x08 \x01(\x05\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\x10\n\x08reserved\x18\n \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x0b \x01(\x03\x12\r\n\x05steps\x18\x0c \x01(\x03\x12\x13\n\x0bpreemptions\x18\r \x01(\x03\x12\x19\n\x11prefix_hit_blocks\x18\x0e \x01(\x03\"\x81\x02\n\x0cRouterStatus\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\x05\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x11\n\trouter_id\x18\x04 \x01(\t\x12\x12\n\ncontroller\x18\x05 \x01(\x08\x12\x19\n\x11replays_in_flight\x18\x06 \x01(\x05\x12\x15\n\rreplays_total\x18\x07 \x01(\x03\x12\x19\n\x11replays_recovered\x18\x08 \x01(\x03\x12\x16\n\x0erecovery_p50_s\x18\t \x01(\x02\x12\x16\n\x0erecovery_max_s\x18\n \x01(\x02\x12\x17\n\x0fstore_available\x18\x0b \x01(\x08\"\\\n\nPoolStatus\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\x05\x12\x0c\n\x04live\x18\x03 \x01(\x05\x12\x10\n\x08starting\x18\x04 \x01(\x05\x12\x10\n\x08restarts\x18\x05 \x01(\x05\"\xb2\x01\n\x0eStatusResponse\x12(\n\x07prefill\x18\x01 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12\'\n\x06\x64\x65\x63ode\x18\x02 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12\'\n\x06router\x18\x03 \x01(\x0b\x32\x17.tandem.v1.RouterStatus\x12$\n\x05pools\x18\x04 \x03(\x0b\x32\x15.tandem.v1.PoolStatus\".\n\x0cScaleRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\x05\" \n\rScaleResponse\x12\x0f\n\x07workers\x18\x01 \x03(\t\"1\n\x0c\x44rainRequest\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x02\"1\n\rDrainResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\xd5\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12=\n\x06\x43\x61ncel\x12\x18.tandem.v1.CancelRequest\x1a\x19.tandem.v1.CancelResponse\x12\x41\n\x06Resume\x12\x18.tandem.v1.ResumeRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x32\xbe\x01\n\x05\x41\x64min\x12=\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x19.tandem.v1.StatusResponse\x12:\n\x05Scale\x12\x17.tandem.v1.ScaleRequest\x1a\x18.tandem.v1.ScaleResponse\x12:\n\x05\x44rain\x12\x17.tandem.v1.DrainRequest\x1a\x18.tandem.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,45 +34,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=28
-  _globals['_SAMPLINGPARAMS']._serialized_end=636
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=452
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=500
-  _globals['_GENERATEREQUEST']._serialized_start=639
-  _globals['_GENERATEREQUEST']._serialized_end=791
-  _globals['_USAGE']._serialized_start=793
-  _globals['_USAGE']._serialized_end=850
-  _globals['_FINAL']._serialized_start=852
-  _globals['_FINAL']._serialized_end=930
-  _globals['_GENERATERESPONSE']._serialized_start=933
-  _globals['_GENERATERESPONSE']._serialized_end=1117
-  _globals['_TOPLOGPROBS']._serialized_start=1119
-  _globals['_TOPLOGPROBS']._serialized_end=1169
-  _globals['_CANCELREQUEST']._serialized_start=1171
-  _globals['_CANCELREQUEST']._serialized_end=1206
-  _globals['_CANCELRESPONSE']._serialized_start=1208
-  _globals['_CANCELRESPONSE']._serialized_end=1239
-  _globals['_RESUMEREQUEST']._serialized_start=1241
-  _globals['_RESUMEREQUEST']._serialized_end=1292
-  _globals['_STATUSREQUEST']._serialized_start=1294
-  _globals['_STATUSREQUEST']._serialized_end=1309
-  _globals['_WORKERSTATUS']._serialized_start=1312
-  _globals['_WORKERSTATUS']._serialized_end=1595
-  _globals['_ROUTERSTATUS']._serialized_start=1598
-  _globals['_ROUTERSTATUS']._serialized_end=1855
-  _globals['_POOLSTATUS']._serialized_start=1857
-  _globals['_POOLSTATUS']._serialized_end=1949
-  _globals['_STATUSRESPONSE']._serialized_start=1952
-  _globals['_STATUSRESPONSE']._serialized_end=2130
-  _globals['_SCALEREQUEST']._serialized_start=2132
-  _globals['_SCALEREQUEST']._serialized_end=2178
-  _globals['_SCALERESPONSE']._serialized_start=2180
-  _globals['_SCALERESPONSE']._serialized_end=2212
-  _globals['_DRAINREQUEST']._serialized_start=2214
-  _globals['_DRAINREQUEST']._serialized_end=2263
-  _globals['_DRAINRESPONSE']._serialized_start=2265
-  _globals['_DRAINRESPONSE']._serialized_end=2314
-  _globals['_GENERATION']._serialized_start=2317
-  _globals['_GENERATION']._serialized_end=2530
-  _globals['_ADMIN']._serialized_start=2533
-  _globals['_ADMIN']._serialized_end=2723
+  _globals['_SAMPLINGPARAMS']._serialized_end=647
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=463
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=511
+  _globals['_GENERATEREQUEST']._serialized_start=650
+  _globals['_GENERATEREQUEST']._serialized_end=802
+  _globals['_USAGE']._serialized_start=804
+  _globals['_USAGE']._serialized_end=861
+  _globals['_FINAL']._serialized_start=863
+  _globals['_FINAL']._serialized_end=941
+  _globals['_GENERATERESPONSE']._serialized_start=944
+  _globals['_GENERATERESPONSE']._serialized_end=1128
+  _globals['_TOPLOGPROBS']._serialized_start=1130
+  _globals['_TOPLOGPROBS']._serialized_end=1180
+  _globals['_CANCELREQUEST']._serialized_start=1182
+  _globals['_CANCELREQUEST']._serialized_end=1217
+  _globals['_CANCELRESPONSE']._serialized_start=1219
+  _globals['_CANCELRESPONSE']._serialized_end=1250
+  _globals['_RESUMEREQUEST']._serialized_start=1252
+  _globals['_RESUMEREQUEST']._serialized_end=1303
+  _globals['_STATUSREQUEST']._serialized_start=1305
+  _globals['_STATUSREQUEST']._serialized_end=1320
+  _globals['_WORKERSTATUS']._serialized_start=1323
+  _globals['_WORKERSTATUS']._serialized_end=1606
+  _globals['_ROUTERSTATUS']._serialized_start=1609
+  _globals['_ROUTERSTATUS']._serialized_end=1866
+  _globals['_POOLSTATUS']._serialized_start=1868
+  _globals['_POOLSTATUS']._serialized_end=1960
+  _globals['_STATUSRESPONSE']._serialized_start=1963
+  _globals['_STATUSRESPONSE']._serialized_end=2141
+  _globals['_SCALEREQUEST']._serialized_start=2143
+  _globals['_SCALEREQUEST']._serialized_end=2189
+  _globals['_SCALERESPONSE']._serialized_start=2191
+  _globals['_SCALERESPONSE']._serialized_end=2223
+  _globals['_DRAINREQUEST']._serialized_start=2225
+  _globals['_DRAINREQUEST']._serialized_end=2274
+  _globals['_DRAINRESPONSE']._serialized_start=2276
+  _globals['_DRAINRESPONSE']._serialized_end=2325
+  _globals['_GENERATION']._serialized_start=2328
+  _globals['_GENERATION']._serialized_end=2541
+  _globals['_ADMIN']._serialized_start=2544
+  _globals['_ADMIN']._serialized_end=2734
 # @@protoc_insertion_point(module_scope)

@@ -213,5 +213,5 @@ def test_request_that_outgrows_the_whole_cache_ends_with_an_error():
         s.update_from_output(
             out, [SampledToken(r.request_id, 7) for r in out.scheduled if r.sample]
         )
-    assert out.failed and out.failed[0][0] == "big" and "3 KV blocks" in out.failed[0][1]
+    assert out.failed and out.failed[0][0].request_id == "big" and "3 KV blocks" in out.failed[0][1]
     assert not s.has_unfinished() and s.pool.num_free_blocks == 3

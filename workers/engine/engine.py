@@ -26,7 +26,13 @@ from kv_transfer.layout import KVLayout
 from workers.engine.block_pool import BlockPool
 from workers.engine.config import EngineConfig
 from workers.engine.model_runner import ModelRunner
-from workers.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from workers.engine.request import (
+    FinishReason,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    choice_id,
+)
 from workers.engine.scheduler import Scheduler
 from workers.engine.stop_strings import StopStringMatcher
 from workers.model.llama import LlamaForCausalLM
@@ -50,6 +56,7 @@ class RequestOutput:
     kv_blocks: list[int] | None = None
     # Only for requests that asked for top_logprobs: per new token, (token id, logprob) pairs.
     new_top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
+    index: int = 0  # which of the request's n choices (request_id is the request's own)
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,8 @@ class LLMEngine:
         the same positions and the same remaining budget as if it had never stopped."""
         self.validate_prompt(list(prompt_token_ids) + list(output_ids))
         self.validate_sampling(sampling)
+        if sampling.n > 1 and (output_ids or stop_after is not None or keep_kv):
+            raise ValueError("n > 1 is for a fresh request, not a replay or a prefill")
         req = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=list(prompt_token_ids),
@@ -231,6 +240,8 @@ class LLMEngine:
         """Admit a request prefilled elsewhere: the KV of the prompt and of every output
         token but the last (just sampled) is in its reserved blocks. Returns its final
         output if that last token already ends it."""
+        if sampling.n > 1:
+            raise ValueError("n > 1 is not served across a KV transfer")
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -263,13 +274,18 @@ class LLMEngine:
         return None
 
     def abort(self, request_id: str) -> bool:
-        """Cancel a request; its blocks are free when this returns."""
-        self._stops.pop(request_id, None)
+        """Cancel a request, every choice of it; its blocks are free when this returns."""
         if self.scheduler.release(request_id):
+            self._stops.pop(request_id, None)
             return True
-        return (
-            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_CANCELLED) is not None
-        )
+        req = self.scheduler.requests.get(request_id)
+        n = req.sampling.n if req is not None else 1
+        found = False
+        for cid in [choice_id(request_id, i) for i in range(n)]:
+            self._stops.pop(cid, None)
+            ended = self.scheduler.finish_request(cid, RequestStatus.FINISHED_CANCELLED)
+            found = found or ended is not None
+        return found
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -289,21 +305,30 @@ class LLMEngine:
     # -- the loop body ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
-        failed = [self._ended_with_error(rid, err) for rid, err in out.failed]
+        results = [o for req, err in out.failed for o in self._ended_with_error(req, err)]
         if not out.scheduled:
-            return failed
+            return results
         try:
             sampled = self.runner.execute(out)
         except Exception as e:  # one bad step must not take the engine down with it
             log.exception("model step failed; failing its %d requests", len(out.scheduled))
-            return [self._fail(s.request_id, f"{type(e).__name__}: {e}") for s in out.scheduled]
-        results = failed
+            error = f"{type(e).__name__}: {e}"
+            for s in out.scheduled:
+                req = self.scheduler.finish_request(
+                    s.request_id, RequestStatus.FINISHED_ERROR, error
+                )
+                if req is not None:
+                    results += self._ended_with_error(req, error)
+            return results
         for req, new_ids in self.scheduler.update_from_output(out, sampled):
             results.append(self._output(req, new_ids))
         return results
 
     def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
         text = None
+        if req.parent_id is not None and req.sampling.stop and req.num_output_tokens == 1:
+            # A choice just forked: its own matcher, from its first token.
+            self._stops[req.request_id] = StopStringMatcher(self.tokenizer, req.sampling.stop)
         matcher = self._stops.get(req.request_id)
         if matcher is not None:
             hit = matcher.push(new_ids, search=_stops_armed(req))
@@ -319,7 +344,7 @@ class LLMEngine:
             return xs[len(xs) - len(new_ids) :]
 
         return RequestOutput(
-            req.request_id,
+            req.parent_id or req.request_id,
             new_ids,
             req.is_finished,
             req.finish_reason,
@@ -328,15 +353,15 @@ class LLMEngine:
             text,
             req.kept_blocks,
             new_top_logprobs=new(req.output_top_logprobs) if sp.top_logprobs else None,
+            index=req.index,
         )
 
-    def _fail(self, request_id: str, message: str) -> RequestOutput:
-        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR, message)
-        return self._ended_with_error(request_id, message)
-
-    def _ended_with_error(self, request_id: str, message: str) -> RequestOutput:
-        self._stops.pop(request_id, None)
-        return RequestOutput(request_id, [], True, FinishReason.ERROR, message)
+    def _ended_with_error(self, req: Request, message: str) -> list[RequestOutput]:
+        """The last output of a request that failed; of all its choices if none forked yet."""
+        self._stops.pop(req.request_id, None)
+        indices = range(req.sampling.n) if req.forks_pending else [req.index]
+        rid = req.parent_id or req.request_id
+        return [RequestOutput(rid, [], True, FinishReason.ERROR, message, index=i) for i in indices]
 
     def _blocks_for_memory(self, model) -> int:
         cfg = model.cfg

@@ -1,5 +1,10 @@
 """Per-request block tables on top of the block pool: reserve slots, publish full blocks to the
-prefix cache, release everything when a request ends or is preempted."""
+prefix cache, release everything when a request ends or is preempted.
+
+Parallel sampling (n > 1) forks a table: the new sequence holds a reference on every block
+of its parent's. A sequence about to write into a block that others also hold (the shared,
+partly filled last block of a fork) first takes a fresh block and has the shared one copied
+into it (copy-on-write; the copies go out with the step, see `take_copies`)."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ class KVCacheManager:
         self.tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._published: dict[str, int] = {}
+        self._copies: list[tuple[int, int]] = []
 
     def block_table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])
@@ -47,10 +53,43 @@ class KVCacheManager:
             self.pool.touch(cached)
             table.extend(cached)
             self._published[req.request_id] = len(cached)
-        total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        start = req.num_computed_tokens + len(cached) * self.block_size
+        total = start + num_new_tokens
+        shared = self._shared_tail(req.request_id, start)
+        if shared is not None:
+            fresh = self.pool.allocate(1)[0]
+            self._copies.append((table[shared], fresh))
+            self.pool.free([table[shared]])  # the others still hold it: nothing is freed
+            table[shared] = fresh
         missing = self.blocks_needed(total) - len(table)
         if missing > 0:
             table.extend(self.pool.allocate(missing))
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give `child_id` the parent's table, every block shared (one more reference each)."""
+        table = list(self.tables[parent_id])
+        self.pool.hold(table)
+        self.tables[child_id] = table
+        self._published[child_id] = self._published.get(parent_id, 0)
+        self._hashes[child_id] = list(self._hashes.get(parent_id, []))[: self._published[child_id]]
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies made since the last call, for the step about to run. (A
+        copy whose destination was freed again by a preemption in the same schedule is
+        harmless: a block is only ever read where it has been written.)"""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def _shared_tail(self, request_id: str, position: int) -> int | None:
+        """The index in its table of the block that token `position` goes into, if others
+        hold that block too."""
+        table = self.tables.get(request_id)
+        if not table:
+            return None
+        i = position // self.block_size
+        if i < len(table) and self.pool.blocks[table[i]].ref_count > 1:
+            return i
+        return None
 
     def publish(self, req: Request) -> None:
         """Offer every full block whose tokens are all computed to the prefix cache."""
@@ -86,8 +125,9 @@ class KVCacheManager:
 
     def _cost(self, req: Request, num_new_tokens: int, cached: list[int]) -> int:
         table = self.tables.get(req.request_id, [])
-        total = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
-        fresh = max(0, self.blocks_needed(total) - len(table) - len(cached))
+        start = req.num_computed_tokens + len(cached) * self.block_size
+        fresh = max(0, self.blocks_needed(start + num_new_tokens) - len(table) - len(cached))
+        fresh += self._shared_tail(req.request_id, start) is not None  # a copy-on-write block
         # A hit that nobody holds sits in the free list, so holding it uses free capacity too.
         idle_hits = sum(1 for b in cached if self.pool.blocks[b].ref_count == 0)
         return fresh + idle_hits

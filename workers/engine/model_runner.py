@@ -8,9 +8,12 @@ the KV transfer read.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kv_transfer.layout import KVLayout
+from workers.engine.request import choice_id, choice_seed
 from workers.engine.sampler import Penalties, SamplingTensors, sample
 from workers.engine.scheduler_output import SampledToken, ScheduledRequest, SchedulerOutput
 from workers.model.attention import AttentionMetadata, PrefillSlice, select_backend
@@ -50,6 +53,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
+        if out.block_copies:
+            self.copy_blocks(out.block_copies)
         scheduled = out.scheduled
         input_ids, positions, slots = [], [], []
         for s in scheduled:
@@ -71,6 +76,9 @@ class ModelRunner:
             if s.sample:
                 rows.append(offset - 1)
                 samplers.append(s)
+                for i in s.forks:  # the other choices draw from the same logits
+                    rows.append(offset - 1)
+                    samplers.append(fork_row(s, i))
         if not rows:
             return []
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
@@ -92,6 +100,14 @@ class ModelRunner:
             )
             for s, tok, lp, top in zip(samplers, ids, lps, tops)
         ]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: each (source, destination) pair, in every layer's K and V."""
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
+        for k, v in self.kv_caches:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
 
     def export_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
         """One layer of these blocks as a `[2, n, block_size, kv_heads, dim]` tensor: the
@@ -136,6 +152,16 @@ class ModelRunner:
             decode_context_lens=decode_lens,
             prefills=prefills,
         )
+
+
+def fork_row(s: ScheduledRequest, index: int) -> ScheduledRequest:
+    """The row of choice `index`, drawing its first token beside choice 0."""
+    return dataclasses.replace(
+        s,
+        request_id=choice_id(s.request_id, index),
+        seed=choice_seed(s.seed, index),
+        forks=(),
+    )
 
 
 def sampling_tensors(reqs: list[ScheduledRequest], vocab: int, dev) -> SamplingTensors:

@@ -41,6 +41,13 @@ class FinishReason(str, enum.Enum):
 
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM's default
+MAX_N = 64  # parallel samples of one prompt
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request with n > 1: seed + index, as vLLM derives it,
+    so that choice i equals a lone request seeded seed + i, and a replay redraws each."""
+    return (seed + index) & (2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,8 @@ class SamplingParams:
     names. Until `min_tokens` tokens are out, EOS and `stop_token_ids` cannot be drawn and stop
     strings do not end the request. `top_logprobs` (with `logprobs`) returns that many most
     likely alternatives with each token. Logprobs are those of the raw model distribution,
-    before any penalty, bias or temperature.
+    before any penalty, bias or temperature. `n` > 1 draws that many completions of one
+    prompt, which is computed once; choice i is seeded `choice_seed(seed, i)`.
     """
 
     max_tokens: int = 16
@@ -75,6 +83,7 @@ class SamplingParams:
     # (token id, bias) pairs, sorted; a dict {id: bias} is accepted and normalized.
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    n: int = 1
 
     def __post_init__(self) -> None:
         bias = self.logit_bias
@@ -130,6 +139,8 @@ class SamplingParams:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be at most max_tokens={self.max_tokens}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}]")
 
     @property
     def greedy(self) -> bool:
@@ -143,6 +154,10 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+def choice_id(request_id: str, index: int) -> str:
+    return request_id if index == 0 else f"{request_id}#{index}"
 
 
 @dataclass
@@ -172,9 +187,18 @@ class Request:
     # prefill's KV stays readable until the worker that sends it calls `release_kv`.
     keep_kv: bool = False
     kept_blocks: list[int] | None = None
+    # n > 1: choice 0 is the request itself; choice i > 0 is forked from it once the prompt
+    # is computed, with id `choice_id(request_id, i)` and the prompt's blocks shared.
+    parent_id: str | None = None
+    index: int = 0
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a request needs at least one prompt token"
+
+    @property
+    def forks_pending(self) -> bool:
+        """Its next sampled token is its first, and its siblings draw theirs beside it."""
+        return self.sampling.n > 1 and self.parent_id is None and not self.output_token_ids
 
     @property
     def all_token_ids(self) -> list[int]:

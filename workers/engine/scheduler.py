@@ -20,7 +20,7 @@ from workers.engine.block_pool import BlockPool
 from workers.engine.config import SchedulerConfig
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.policy import make_policy
-from workers.engine.request import Request, RequestStatus
+from workers.engine.request import Request, RequestStatus, choice_id, choice_seed
 from workers.engine.scheduler_output import SampledToken, ScheduledRequest, SchedulerOutput
 
 
@@ -134,6 +134,7 @@ class Scheduler:
             self._emit(out, ghost, 1, padding=True)
         if admit and not out.preempted_ids:  # room was just made by force: admit nothing
             self._schedule_waiting(out, budget)
+        out.block_copies = self.kv.take_copies()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -164,6 +165,10 @@ class Scheduler:
         self.waiting.sort(key=self.policy.key)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            # A request that will fork counts all its choices against max_num_seqs.
+            seqs = req.sampling.n if req.forks_pending else 1
+            if self.running and len(self.running) + seqs > self.config.max_num_seqs:
+                break
             n = self._admit(req, budget)
             if n == 0:
                 if self.running:
@@ -180,7 +185,7 @@ class Scheduler:
     def _fail_unfittable(self, req: Request, out: SchedulerOutput) -> None:
         error = f"request needs more than the {self.pool.num_blocks} KV blocks of this worker"
         self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, error)
-        out.failed.append((req.request_id, error))
+        out.failed.append((req, error))
 
     def update_from_output(
         self, out: SchedulerOutput, sampled: list[SampledToken]
@@ -198,16 +203,43 @@ class Scheduler:
             tok = by_id.get(sched.request_id)
             if not sched.sample or tok is None:
                 continue
-            req.output_token_ids.append(tok.token_id)
-            if tok.logprob is not None:
-                req.output_logprobs.append(tok.logprob)
-            if tok.top_logprobs is not None:
-                req.output_top_logprobs.append(tok.top_logprobs)
-            status = self.check_stop(req, tok.token_id)
-            if status is not None:
-                self.finish_request(req.request_id, status)
-            results.append((req, [tok.token_id]))
+            members = [(req, tok)]
+            for index in sched.forks:  # before the parent may end and free its blocks
+                members.append((self._fork(req, index), by_id[choice_id(req.request_id, index)]))
+            for r, t in members:
+                r.output_token_ids.append(t.token_id)
+                if t.logprob is not None:
+                    r.output_logprobs.append(t.logprob)
+                if t.top_logprobs is not None:
+                    r.output_top_logprobs.append(t.top_logprobs)
+                status = self.check_stop(r, t.token_id)
+                if status is not None:
+                    self.finish_request(r.request_id, status)
+                results.append((r, [t.token_id]))
         return results
+
+    def _fork(self, parent: Request, index: int) -> Request:
+        """Choice `index` of a parent whose prompt was just computed: a running sequence
+        sharing every block of the parent's."""
+        child = Request(
+            request_id=choice_id(parent.request_id, index),
+            prompt_token_ids=parent.prompt_token_ids,
+            sampling=parent.sampling,
+            eos_token_ids=parent.eos_token_ids,
+            priority=parent.priority,
+            arrival_time=parent.arrival_time,
+            seed=choice_seed(parent.seed, index),
+            parent_id=parent.request_id,
+            index=index,
+        )
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = RequestStatus.RUNNING
+        self.requests[child.request_id] = child
+        self.policy.register(child)
+        self.running.append(child)
+        self.kv.fork(parent.request_id, child.request_id)
+        return child
 
     # -- helpers --------------------------------------------------------------------------
     def _admit(self, req: Request, budget: int) -> int:
@@ -252,6 +284,7 @@ class Scheduler:
             prompt_ids=req.prompt_token_ids,
             output_ids=req.output_token_ids,
             eos_token_ids=req.eos_token_ids,
+            forks=tuple(range(1, req.sampling.n)) if req.forks_pending and not padding else (),
         )
         (out.decodes if n == 1 else out.prefills).append(sched)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from workers.engine.request import SamplingParams
+from workers.engine.request import Request, SamplingParams
 
 
 @dataclass
@@ -21,6 +21,9 @@ class ScheduledRequest:
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     eos_token_ids: tuple[int, ...] = ()
+    # n > 1, at the prompt's last chunk: the choice indices that draw their first token from
+    # this row's logits beside it (see request.choice_id and choice_seed).
+    forks: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -36,7 +39,11 @@ class SchedulerOutput:
     decodes: list[ScheduledRequest] = field(default_factory=list)  # one token each
     prefills: list[ScheduledRequest] = field(default_factory=list)  # prompt chunks
     preempted_ids: list[str] = field(default_factory=list)  # lost their blocks this step
-    failed: list[tuple[str, str]] = field(default_factory=list)  # (id, error) ended unscheduled
+    # (request, error): ended without being scheduled.
+    failed: list[tuple[Request, str]] = field(default_factory=list)
+    # (source, destination) blocks to copy before the step runs: copy-on-write of a shared
+    # last block that a sequence writes this step.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def scheduled(self) -> list[ScheduledRequest]:
