@@ -11,7 +11,11 @@
 2. The engine's decode step on the default model (fp32), batch 16, for each of the same
    modes and for min-p, the three penalties together, logit bias with min_tokens, and
    top_logprobs: the median step time over --steps decode steps.
-Prints both tables; writes benchmarks/results/sampling.json.
+3. Parallel sampling on the default model: one request with n = 8 against 8 lone requests
+   seeded as its choices are, on a --n-prompt-token prompt: the most KV blocks held at once
+   and the wall time, with the prefix cache cold (the lone requests arrive together) and
+   warm (the prompt's full blocks already cached); the outputs are checked equal.
+Prints the tables; writes benchmarks/results/sampling.json.
 """
 
 from __future__ import annotations
@@ -149,6 +153,53 @@ def step_table(steps: int, batch: int = 16) -> list[dict]:
     return rows
 
 
+def parallel_table(n: int, prompt_tokens: int, max_tokens: int) -> list[dict]:
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import LLMEngine
+    from workers.engine.request import SamplingParams, choice_seed
+
+    prompt = [100 + (i * 37) % 20000 for i in range(prompt_tokens)]
+    base = dict(max_tokens=max_tokens, temperature=1.0, top_p=0.95, ignore_eos=True)
+    forked = [SamplingParams(n=n, seed=5, **base)]
+    lone = [SamplingParams(seed=choice_seed(5, i), **base) for i in range(n)]
+    rows = []
+    for cache in ("cold", "warm"):
+        for label, params in ((f"n={n}", forked), (f"{n} lone requests", lone)):
+            engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=1024))
+            if cache == "warm":  # the prompt's full blocks in the prefix cache
+                engine.add_request(prompt, SamplingParams(max_tokens=1))
+                while engine.has_unfinished():
+                    engine.step()
+            ids = [engine.add_request(prompt, sp) for sp in params]
+            tokens: dict[tuple[str, int], list[int]] = {}
+            peak, t0 = 0, time.perf_counter()
+            while engine.has_unfinished():
+                for o in engine.step():
+                    tokens.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
+                peak = max(peak, engine.pool.num_blocks - engine.pool.num_free_blocks)
+            wall = time.perf_counter() - t0
+            if len(ids) == 1:
+                outputs = [tokens[ids[0], i] for i in range(n)]
+            else:
+                outputs = [tokens[rid, 0] for rid in ids]
+            rows.append(
+                {
+                    "cache": cache,
+                    "mode": label,
+                    "peak_blocks": peak,
+                    "wall_s": wall,
+                    "outputs": outputs,
+                }
+            )
+            log(f"parallel sampling, {cache} cache, {label}: {peak} blocks, {wall:.1f} s")
+    for cache in ("cold", "warm"):
+        a, b = (r for r in rows if r["cache"] == cache)
+        assert a["outputs"] == b["outputs"], "choices differ from their lone requests"
+    for r in rows:
+        del r["outputs"]
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,16,64")
@@ -156,10 +207,14 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--n-prompt-tokens", type=int, default=500)
+    ap.add_argument("--n-max-tokens", type=int, default=32)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     samplers = sampler_table([int(b) for b in args.batches.split(",")], args.iters, args.runs)
     steps = step_table(args.steps)
+    parallel = parallel_table(args.n, args.n_prompt_tokens, args.n_max_tokens)
     print(f"\nThe sampler alone, [batch, 49152] logits, ms per call (median of {args.runs} runs):")
     print_table(
         ["batch", "mode", "Tandem ms", "previous design ms", "previous / Tandem"],
@@ -180,9 +235,18 @@ def main() -> None:
         ["mode", "step ms", "vs greedy"],
         [[r["mode"], f"{r['step_ms']:.1f}", f"{r['step_ms'] / greedy:.2f}x"] for r in steps],
     )
+    print(
+        f"\nParallel sampling, {args.n_prompt_tokens}-token prompt, {args.n_max_tokens} "
+        "tokens per choice, 16-token blocks (outputs checked equal):"
+    )
+    print_table(
+        ["prefix cache", "mode", "most KV blocks held", "wall s"],
+        [[r["cache"], r["mode"], r["peak_blocks"], f"{r['wall_s']:.1f}"] for r in parallel],
+    )
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "sampling.json"
-    out.write_text(json.dumps({"args": vars(args), "sampler": samplers, "step": steps}, indent=1))
+    report = {"args": vars(args), "sampler": samplers, "step": steps, "parallel": parallel}
+    out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
 
 

@@ -10,6 +10,7 @@ that failed for good (retries exhausted, bad input) is reported as it failed.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -141,7 +142,7 @@ class TandemClient:
                 call = gen.Generate(msg, timeout=left, metadata=self.metadata)
             try:
                 async for r in call:
-                    self._take(res, r, t0, on_chunk)
+                    self._take(res, r, t0, on_chunk, msg.sampling)
                 break
             except grpc.aio.AioRpcError as e:
                 code = e.code()
@@ -161,7 +162,7 @@ class TandemClient:
         return res
 
     @staticmethod
-    def _take(res: StreamResult, r: pb.GenerateResponse, t0: float, on_chunk) -> None:
+    def _take(res: StreamResult, r: pb.GenerateResponse, t0: float, on_chunk, sampling) -> None:
         now = time.perf_counter() - t0
         if r.token_ids:
             # A resume answers from the offset asked: drop what this client already has.
@@ -170,10 +171,15 @@ class TandemClient:
             if ids and res.ttft_s is None:
                 res.ttft_s = now
             res.token_ids += ids
-            res.logprobs += list(r.logprobs)[drop:]
-            res.top_logprobs += [
-                tuple(zip(t.token_ids, t.logprobs)) for t in list(r.top_logprobs)[drop:]
-            ]
+            # Tokens a Resume re-sends from the token log come without logprobs: NaN and no
+            # alternatives stand in for them, so the lists stay aligned with token_ids.
+            n = len(r.token_ids)
+            if sampling.logprobs:
+                lps = list(r.logprobs)
+                res.logprobs += lps[drop:] if len(lps) == n else [math.nan] * len(ids)
+            if sampling.top_logprobs:
+                tops = [tuple(zip(t.token_ids, t.logprobs)) for t in r.top_logprobs]
+                res.top_logprobs += tops[drop:] if len(tops) == n else [()] * len(ids)
             res.token_times += [now] * len(ids)
         res.text += r.text
         if on_chunk is not None:

@@ -3,8 +3,10 @@ InvalidRequest naming the field and what to do about it (sent as INVALID_ARGUMEN
 
 from __future__ import annotations
 
+import math
 import random
 import re
+import struct
 import uuid
 from dataclasses import dataclass
 
@@ -30,6 +32,19 @@ class Admission:
     @property
     def spec(self) -> RequestSpec:
         return RequestSpec(self.request_id, self.prompt_ids, self.sampling, priority=self.priority)
+
+
+def decimal_of_float32(x: float) -> float:
+    """The shortest decimal that rounds to the float32 `x`: what the client most likely wrote
+    (0.8 arrives as 0.800000011920929). Sampling with it gives the offline engine's draws,
+    which take the parameters as Python floats."""
+    if not math.isfinite(x):
+        return x
+    for digits in range(1, 10):  # 9 significant digits always round-trip a float32
+        y = float(f"{x:.{digits}g}")
+        if struct.unpack("f", struct.pack("f", y))[0] == x:
+            return y
+    return x
 
 
 def validate(msg: pb.GenerateRequest, tokenizer, max_model_len: int, vocab_size: int) -> Admission:
@@ -68,6 +83,9 @@ def validate(msg: pb.GenerateRequest, tokenizer, max_model_len: int, vocab_size:
     def opt(name: str, default):
         return getattr(s, name) if s.HasField(name) else default
 
+    def real(name: str, default: float) -> float:
+        return decimal_of_float32(opt(name, default))
+
     bad_bias = [t for t in s.logit_bias if not 0 <= t < vocab_size]
     if bad_bias:
         raise InvalidRequest(
@@ -78,26 +96,28 @@ def validate(msg: pb.GenerateRequest, tokenizer, max_model_len: int, vocab_size:
             f"sampling.n={s.n}: a cluster serves one completion per request; send n "
             "requests with seeds seed, seed + 1, ... (what n > 1 draws in the offline engine)"
         )
+    if s.n < 0:
+        raise InvalidRequest(f"sampling.n={s.n}: must be 1 (or unset)")
     # A seed is always fixed here and recorded: a replay then draws exactly the tokens the
     # first attempt would have, whether or not the client chose the seed.
     seed = s.seed if s.HasField("seed") else random.getrandbits(63)
     try:
         sampling = SamplingParams(
             max_tokens=max_tokens,
-            temperature=float(opt("temperature", 1.0)),
-            top_p=float(opt("top_p", 1.0)),
+            temperature=real("temperature", 1.0),
+            top_p=real("top_p", 1.0),
             top_k=opt("top_k", 0),
-            min_p=float(opt("min_p", 0.0)),
+            min_p=real("min_p", 0.0),
             seed=seed,
             stop=tuple(s.stop),
             stop_token_ids=tuple(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
             logprobs=s.logprobs,
             top_logprobs=s.top_logprobs,
-            presence_penalty=float(opt("presence_penalty", 0.0)),
-            frequency_penalty=float(opt("frequency_penalty", 0.0)),
-            repetition_penalty=float(opt("repetition_penalty", 1.0)),
-            logit_bias=dict(s.logit_bias),
+            presence_penalty=real("presence_penalty", 0.0),
+            frequency_penalty=real("frequency_penalty", 0.0),
+            repetition_penalty=real("repetition_penalty", 1.0),
+            logit_bias={t: decimal_of_float32(b) for t, b in s.logit_bias.items()},
             min_tokens=s.min_tokens,
         )
     except ValueError as e:  # SamplingParams names the field and the rule

@@ -71,3 +71,23 @@ def test_bearer_token_is_checked():
         with pytest.raises(RouterError) as e:
             _check_auth(Ctx(meta), "s3cret")
         assert e.value.status is Status.UNAUTHENTICATED
+
+
+def test_validation_takes_the_decimal_a_float32_field_came_from_and_names_bad_fields():
+    from router.api import tandem_pb2 as pb
+    from router.validation import InvalidRequest, validate
+
+    sp = pb.SamplingParams(
+        temperature=0.8, top_p=0.95, min_p=0.05, repetition_penalty=1.3, logit_bias={5: -2.7}
+    )
+    adm = validate(pb.GenerateRequest(prompt_ids=[1, 2], sampling=sp), None, 100, 1000)
+    s = adm.sampling
+    assert (s.temperature, s.top_p, s.min_p, s.repetition_penalty) == (0.8, 0.95, 0.05, 1.3)
+    assert s.logit_bias == ((5, -2.7),)
+    for bad, name in [
+        (pb.SamplingParams(presence_penalty=2.5), "sampling.presence_penalty=2.5"),
+        (pb.SamplingParams(n=2), "sampling.n=2"),
+        (pb.SamplingParams(logit_bias={1000: 1.0}), "token 1000 is outside"),
+    ]:
+        with pytest.raises(InvalidRequest, match=name):
+            validate(pb.GenerateRequest(prompt_ids=[1, 2], sampling=bad), None, 100, 1000)

@@ -169,13 +169,13 @@ def sampling_tensors(reqs: list[ScheduledRequest], vocab: int, dev) -> SamplingT
     them, so that a plain batch pays for none."""
     params = [s.sampling for s in reqs]
 
-    def col(values, dtype):
+    def col(values, dtype=torch.float32):
         return torch.tensor(values, dtype=dtype, device=dev)
 
     t = SamplingTensors(
-        temperature=col([p.temperature for p in params], torch.float32),
+        temperature=col([p.temperature for p in params]),
         top_k=col([max(p.top_k, 0) for p in params], torch.long),
-        top_p=col([p.top_p for p in params], torch.float32),
+        top_p=col([p.top_p for p in params]),
         seeds=col([s.seed & (2**63 - 1) for s in reqs], torch.long),
         counters=col([s.num_output_tokens for s in reqs], torch.long),
         all_greedy=all(p.greedy for p in params),
@@ -184,7 +184,7 @@ def sampling_tensors(reqs: list[ScheduledRequest], vocab: int, dev) -> SamplingT
         top_logprobs=max(p.top_logprobs for p in params),
     )
     if any(p.min_p > 0 for p in params):
-        t.min_p = col([p.min_p for p in params], torch.float32)
+        t.min_p = col([p.min_p for p in params])
     edits = []  # (row, token id, value)
     for i, s in enumerate(reqs):
         sp = s.sampling
@@ -194,34 +194,22 @@ def sampling_tensors(reqs: list[ScheduledRequest], vocab: int, dev) -> SamplingT
             edits += [(i, token, float("-inf")) for token in sorted(banned) if token < vocab]
     if edits:
         rows, cols, values = zip(*edits)
-        t.logit_edits = (
-            col(rows, torch.long),
-            col(cols, torch.long),
-            col(values, torch.float32),
-        )
+        t.logit_edits = (col(rows, torch.long), col(cols, torch.long), col(values))
     penalized = [i for i, p in enumerate(params) if p.penalized]
     if penalized:
-        t.penalties = _penalties([reqs[i] for i in penalized], penalized, vocab, dev)
+        # Token counts over each penalized row's output, and which tokens its prompt holds.
+        counts = torch.zeros((len(penalized), vocab), dtype=torch.float32, device=dev)
+        in_prompt = torch.zeros((len(penalized), vocab), dtype=torch.bool, device=dev)
+        for r, i in enumerate(penalized):
+            out = col(reqs[i].output_ids[: reqs[i].num_output_tokens], torch.long)
+            counts[r].index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
+            in_prompt[r, col(reqs[i].prompt_ids, torch.long)] = True
+        t.penalties = Penalties(
+            rows=col(penalized, torch.long),
+            presence=col([params[i].presence_penalty for i in penalized]),
+            frequency=col([params[i].frequency_penalty for i in penalized]),
+            repetition=col([params[i].repetition_penalty for i in penalized]),
+            output_counts=counts,
+            in_prompt=in_prompt,
+        )
     return t
-
-
-def _penalties(reqs: list[ScheduledRequest], rows: list[int], vocab: int, dev) -> Penalties:
-    """Token counts over each penalized row's output, and which tokens its prompt holds."""
-    counts = torch.zeros((len(reqs), vocab), dtype=torch.float32, device=dev)
-    in_prompt = torch.zeros((len(reqs), vocab), dtype=torch.bool, device=dev)
-    for r, s in enumerate(reqs):
-        out = torch.tensor(s.output_ids[: s.num_output_tokens], dtype=torch.long, device=dev)
-        counts[r].index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
-        prompt = torch.tensor(s.prompt_ids, dtype=torch.long, device=dev)
-        in_prompt[r, prompt] = True
-    sp = [s.sampling for s in reqs]
-    return Penalties(
-        rows=torch.tensor(rows, dtype=torch.long, device=dev),
-        presence=torch.tensor([p.presence_penalty for p in sp], dtype=torch.float32, device=dev),
-        frequency=torch.tensor([p.frequency_penalty for p in sp], dtype=torch.float32, device=dev),
-        repetition=torch.tensor(
-            [p.repetition_penalty for p in sp], dtype=torch.float32, device=dev
-        ),
-        output_counts=counts,
-        in_prompt=in_prompt,
-    )

@@ -272,19 +272,20 @@ class Scheduler:
         # allocated); the sampled token is dropped.
         start = req.num_tokens - 2 if padding else req.num_computed_tokens
         tokens = req.token_slice(start, start + n)
+        sample = start + n >= req.num_tokens
         sched = ScheduledRequest(
             request_id=req.request_id,
             token_ids=tokens,
             start_position=start,
             block_ids=list(self.kv.block_table(req.request_id)),
-            sample=start + n >= req.num_tokens,
+            sample=sample,
             sampling=req.sampling,
             seed=req.seed,
             num_output_tokens=req.num_output_tokens,
             prompt_ids=req.prompt_token_ids,
             output_ids=req.output_token_ids,
             eos_token_ids=req.eos_token_ids,
-            forks=tuple(range(1, req.sampling.n)) if req.forks_pending and not padding else (),
+            forks=tuple(range(1, req.sampling.n)) if sample and req.forks_pending else (),
         )
         (out.decodes if n == 1 else out.prefills).append(sched)
 
