@@ -15,7 +15,8 @@
    seeded as its choices are, on a --n-prompt-token prompt: the most KV blocks held at once
    and the wall time, with the prefix cache cold (the lone requests arrive together) and
    warm (the prompt's full blocks already cached); the outputs are checked equal.
-Prints the tables; writes benchmarks/results/sampling.json.
+`--parts` picks among sampler, step and parallel. Prints the tables; writes
+benchmarks/results/sampling.json.
 """
 
 from __future__ import annotations
@@ -153,7 +154,27 @@ def step_table(steps: int, batch: int = 16) -> list[dict]:
     return rows
 
 
-def parallel_table(n: int, prompt_tokens: int, max_tokens: int) -> list[dict]:
+def parallel_table(n: int, prompt_tokens: int, max_tokens: int, runs: int) -> list[dict]:
+    """Each cell: the most blocks held (the same every run) and the median wall time of
+    `runs` runs, the four cells alternating within a run."""
+    cells: dict[tuple[str, str], list[dict]] = {}
+    for run in range(runs):
+        for r in parallel_run(n, prompt_tokens, max_tokens):
+            cells.setdefault((r["cache"], r["mode"]), []).append(r)
+        log(f"parallel sampling run {run + 1}/{runs} done")
+    return [
+        {
+            "cache": cache,
+            "mode": mode,
+            "peak_blocks": rs[0]["peak_blocks"],
+            "wall_s": statistics.median(r["wall_s"] for r in rs),
+            "runs": rs,
+        }
+        for (cache, mode), rs in cells.items()
+    ]
+
+
+def parallel_run(n: int, prompt_tokens: int, max_tokens: int) -> list[dict]:
     from workers.engine.config import EngineConfig
     from workers.engine.engine import LLMEngine
     from workers.engine.request import SamplingParams, choice_seed
@@ -162,7 +183,7 @@ def parallel_table(n: int, prompt_tokens: int, max_tokens: int) -> list[dict]:
     base = dict(max_tokens=max_tokens, temperature=1.0, top_p=0.95, ignore_eos=True)
     forked = [SamplingParams(n=n, seed=5, **base)]
     lone = [SamplingParams(seed=choice_seed(5, i), **base) for i in range(n)]
-    rows = []
+    rows, outputs = [], {}
     for cache in ("cold", "warm"):
         for label, params in ((f"n={n}", forked), (f"{n} lone requests", lone)):
             engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=1024))
@@ -178,25 +199,13 @@ def parallel_table(n: int, prompt_tokens: int, max_tokens: int) -> list[dict]:
                     tokens.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
                 peak = max(peak, engine.pool.num_blocks - engine.pool.num_free_blocks)
             wall = time.perf_counter() - t0
-            if len(ids) == 1:
-                outputs = [tokens[ids[0], i] for i in range(n)]
-            else:
-                outputs = [tokens[rid, 0] for rid in ids]
-            rows.append(
-                {
-                    "cache": cache,
-                    "mode": label,
-                    "peak_blocks": peak,
-                    "wall_s": wall,
-                    "outputs": outputs,
-                }
-            )
+            keys = [(ids[0], i) for i in range(n)] if len(ids) == 1 else [(r, 0) for r in ids]
+            outputs[cache, label] = [tokens[k] for k in keys]
+            rows.append({"cache": cache, "mode": label, "peak_blocks": peak, "wall_s": wall})
             log(f"parallel sampling, {cache} cache, {label}: {peak} blocks, {wall:.1f} s")
-    for cache in ("cold", "warm"):
-        a, b = (r for r in rows if r["cache"] == cache)
-        assert a["outputs"] == b["outputs"], "choices differ from their lone requests"
-    for r in rows:
-        del r["outputs"]
+        assert outputs[cache, f"n={n}"] == outputs[cache, f"{n} lone requests"], (
+            "choices differ from their lone requests"
+        )
     return rows
 
 
@@ -207,42 +216,51 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--parts", default="sampler,step,parallel")
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--n-prompt-tokens", type=int, default=500)
     ap.add_argument("--n-max-tokens", type=int, default=32)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    samplers = sampler_table([int(b) for b in args.batches.split(",")], args.iters, args.runs)
-    steps = step_table(args.steps)
-    parallel = parallel_table(args.n, args.n_prompt_tokens, args.n_max_tokens)
-    print(f"\nThe sampler alone, [batch, 49152] logits, ms per call (median of {args.runs} runs):")
-    print_table(
-        ["batch", "mode", "Tandem ms", "previous design ms", "previous / Tandem"],
-        [
+    parts = set(args.parts.split(","))
+    samplers = steps = parallel = []
+    if "sampler" in parts:
+        samplers = sampler_table([int(b) for b in args.batches.split(",")], args.iters, args.runs)
+    if "step" in parts:
+        steps = step_table(args.steps)
+    if "parallel" in parts:
+        parallel = parallel_table(args.n, args.n_prompt_tokens, args.n_max_tokens, args.runs)
+    if samplers:
+        print(f"\nThe sampler alone, [batch, 49152] logits, ms per call (median of {args.runs}):")
+        print_table(
+            ["batch", "mode", "Tandem ms", "previous design ms", "previous / Tandem"],
             [
-                r["batch"],
-                r["mode"],
-                f"{r['tandem_ms']:.2f}",
-                f"{r['previous_ms']:.2f}",
-                f"{r['previous_ms'] / r['tandem_ms']:.1f}x",
-            ]
-            for r in samplers
-        ],
-    )
-    greedy = next(r["step_ms"] for r in steps if r["mode"] == "greedy")
-    print("\nThe engine's decode step, SmolLM2 fp32, batch 16, median ms:")
-    print_table(
-        ["mode", "step ms", "vs greedy"],
-        [[r["mode"], f"{r['step_ms']:.1f}", f"{r['step_ms'] / greedy:.2f}x"] for r in steps],
-    )
-    print(
-        f"\nParallel sampling, {args.n_prompt_tokens}-token prompt, {args.n_max_tokens} "
-        "tokens per choice, 16-token blocks (outputs checked equal):"
-    )
-    print_table(
-        ["prefix cache", "mode", "most KV blocks held", "wall s"],
-        [[r["cache"], r["mode"], r["peak_blocks"], f"{r['wall_s']:.1f}"] for r in parallel],
-    )
+                [
+                    r["batch"],
+                    r["mode"],
+                    f"{r['tandem_ms']:.2f}",
+                    f"{r['previous_ms']:.2f}",
+                    f"{r['previous_ms'] / r['tandem_ms']:.1f}x",
+                ]
+                for r in samplers
+            ],
+        )
+    if steps:
+        greedy = next(r["step_ms"] for r in steps if r["mode"] == "greedy")
+        print("\nThe engine's decode step, SmolLM2 fp32, batch 16, median ms:")
+        print_table(
+            ["mode", "step ms", "vs greedy"],
+            [[r["mode"], f"{r['step_ms']:.1f}", f"{r['step_ms'] / greedy:.2f}x"] for r in steps],
+        )
+    if parallel:
+        print(
+            f"\nParallel sampling, {args.n_prompt_tokens}-token prompt, {args.n_max_tokens} "
+            f"tokens per choice, 16-token blocks, median wall of {args.runs} (outputs equal):"
+        )
+        print_table(
+            ["prefix cache", "mode", "most KV blocks held", "wall s"],
+            [[r["cache"], r["mode"], r["peak_blocks"], f"{r['wall_s']:.1f}"] for r in parallel],
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "sampling.json"
     report = {"args": vars(args), "sampler": samplers, "step": steps, "parallel": parallel}

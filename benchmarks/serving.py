@@ -11,7 +11,9 @@ sees the same trace. Systems:
 - tandem-colocated: 1 worker doing both phases on both cores, chunked prefill;
 - tandem-colocated-unchunked: the same without chunking (a long prompt stalls decodes);
 - vllm: vLLM's CPU build behind its OpenAI-compatible server, when installed (see README),
-  driven through the streaming /v1/completions API with the same token ids.
+  driven through the streaming /v1/completions API with the same token ids;
+- tandem-disagg-http (not in the default list): tandem-disagg driven through its own
+  OpenAI-compatible front by the same client as vllm, to compare the two on one endpoint.
 All load the same weights (the default model exported once as an HF folder), in bf16.
 
 Metrics follow `vllm bench serve`: TTFT; TPOT = (E2E - TTFT) / (output tokens - 1); ITL =
@@ -44,6 +46,7 @@ from benchmarks.common import (  # noqa: E402
 )
 
 SYSTEMS = ["tandem-disagg", "tandem-colocated", "tandem-colocated-unchunked", "vllm"]
+HTTP_SUFFIX = "-http"  # a Tandem system driven over its OpenAI-compatible front
 
 
 def load_trace(
@@ -121,7 +124,9 @@ async def run_openai(base_url: str, model: str, trace: list[dict], t0: float) ->
                 "temperature": 0.0,
                 "ignore_eos": True,
                 "stream": True,
+                "stream_options": {"include_usage": True},
             }
+            counted = None  # the usage event's completion_tokens: events may hold several
             try:
                 async with session.post(f"{base_url}/v1/completions", json=body) as resp:
                     if resp.status != 200:
@@ -133,8 +138,12 @@ async def run_openai(base_url: str, model: str, trace: list[dict], t0: float) ->
                         data = json.loads(line[6:])
                         if data.get("choices") and data["choices"][0].get("text"):
                             chunks.append((time.perf_counter(), 1))
+                        if data.get("usage"):
+                            counted = data["usage"]["completion_tokens"]
             except Exception as e:
                 ok, error = False, f"{type(e).__name__}: {e}"
+            if counted is not None and chunks:  # ITL stays per event, as vllm bench serve
+                chunks[-1] = (chunks[-1][0], counted - (len(chunks) - 1))
             return record(r, start, chunks, ok, error)
 
         return await asyncio.gather(*(one(r) for r in trace))
@@ -224,13 +233,23 @@ async def run_tandem(
             engine=dict(engine, enable_chunked_prefill=False, max_num_batched_tokens=4096),
         ),
     }
-    values = dict(per_system[system], router={"port": 0}, dashboard=False, data_dir=str(data_dir))
+    http = system.endswith(HTTP_SUFFIX)
+    router = {"port": 0, "http_port": 0} if http else {"port": 0}
+    base = per_system[system.removesuffix(HTTP_SUFFIX)]
+    values = dict(base, router=router, dashboard=False, data_dir=str(data_dir))
     cfg = config_io.build(ClusterConfig, values, system)
     cluster = await Cluster(cfg).start(progress=lambda m: log(f"  {m}"))
+
+    async def drive(rows: list[dict], t0: float) -> list[dict]:
+        if http:  # the served model's name is the model path it was given
+            url = f"http://127.0.0.1:{cluster.http_port}"
+            return await run_openai(url, str(model_dir), rows, t0)
+        return await run_grpc(cluster.address, rows, t0)
+
     try:
-        await run_grpc(cluster.address, trace[:2], time.perf_counter())  # warm-up
+        await drive(trace[:2], time.perf_counter())  # warm-up
         t0 = time.perf_counter()
-        records = await run_grpc(cluster.address, trace, t0)
+        records = await drive(trace, t0)
         return records, t0
     finally:
         await cluster.stop()

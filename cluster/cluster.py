@@ -25,9 +25,10 @@ from cluster.pools import NAMESPACE, PoolManager, PoolSpec, pool_engine
 from cluster.redis_server import EmbeddedRedis
 from cluster.state import RedisStore, redact
 from router.core import Router
+from router.http import OpenAIFront, start_http
 from router.server import start_server
 from workers.messages import Pool
-from workers.model.loader import read_model_config, resolve_model
+from workers.model.loader import DEFAULT_MODEL, read_model_config, resolve_model
 from workers.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ class Cluster:
         self.pools: PoolManager | None = None
         self.router: Router | None = None
         self.server = None
+        self.http = None  # the OpenAI-compatible front's runner, when router.http_port is set
+        self.http_port: int | None = None
         self.controller = None
         self.port: int | None = None
         self._started_ray = False
@@ -146,6 +149,18 @@ class Cluster:
             cfg.router.host,
         )
         progress(f"router {self.router.id} listening on {self.address}")
+        if cfg.router.http_port is not None:
+            front = OpenAIFront(
+                self.router,
+                cfg.engine.model or DEFAULT_MODEL,
+                model_cfg.max_position_embeddings,
+                model_cfg.vocab_size,
+                cfg.router.auth_token,
+            )
+            self.http, self.http_port = await start_http(
+                front, cfg.router.host, cfg.router.http_port
+            )
+            progress(f"OpenAI-compatible HTTP on http://{cfg.router.host}:{self.http_port}/v1")
         return self
 
     def _pool_spec(self, pool: Pool) -> PoolSpec:
@@ -183,6 +198,8 @@ class Cluster:
     async def stop(self) -> None:
         if self.join and self.router is not None:
             self.router.leave()  # the cluster goes on: its requests are taken over, not cancelled
+        if self.http is not None:
+            await self.http.cleanup()
         if self.server is not None:
             await self.server.stop(grace=2)
         if self.router is not None:

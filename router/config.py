@@ -14,6 +14,10 @@ def _h(text: str, **more) -> dict:
 class RouterConfig:
     host: str = field(default="127.0.0.1", metadata=_h("address the gRPC server binds"))
     port: int = field(default=50051, metadata=_h("gRPC port (0 picks a free one)"))
+    http_port: int | None = field(
+        default=None,
+        metadata=_h("OpenAI-compatible HTTP port on the same host (off unless set; 0 picks one)"),
+    )
     auth_token: str | None = field(
         default=None, metadata=_h("require 'authorization: Bearer <token>' on every call")
     )
@@ -52,6 +56,8 @@ class RouterConfig:
 
         if not 0 <= self.port < 65536:
             raise bad("port", "must be a TCP port (0 picks a free one)")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise bad("http_port", "must be a TCP port (0 picks a free one)")
         for name in ("max_in_flight", "max_queue"):
             if getattr(self, name) < 0:
                 raise bad(name, "must be >= 0")

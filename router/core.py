@@ -74,6 +74,7 @@ class Router:
         self.queue_depth = 0
         self._pollers: dict[str, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
+        self._releases: set[asyncio.Task] = set()  # see release_when_made
         self.leaving = False
         directory.subscribe(self._on_pool_event)
 
@@ -256,6 +257,23 @@ class Router:
             raise AttemptFailed(status, f"{w.name}: {type(cause).__name__}: {cause}") from None
         except ray.exceptions.RayError as e:
             raise AttemptFailed(Status.UNAVAILABLE, f"{w.name}: {e}") from None
+
+    def release_when_made(self, w: WorkerRef, ref, request_id: str) -> None:
+        """A reservation (or colocated submission) asked for by a request that ended while
+        the call was out: once the call lands, cancel what it holds on that worker (else a
+        reservation would stay until its TTL, a submission generate to its end)."""
+
+        async def release() -> None:
+            try:
+                held = bool(await asyncio.wait_for(ref, self.config.rpc_timeout_s))
+            except Exception:  # unknown: cancel anyway (the request ended; nothing newer runs)
+                held = True
+            if held:
+                await self.cancel_on([w.name], request_id)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def cancel_on(self, names: list[str], request_id: str) -> None:
         calls = []

@@ -184,19 +184,20 @@ class RequestDriver:
         deadline = time.monotonic() + cfg.reserve_timeout_s
         while True:
             for w in await self._candidates(Pool.DECODE):
+                ref = w.handle.reserve.remote(
+                    spec.request_id,
+                    spec.attempt,
+                    spec.num_tokens,
+                    self.router.id,
+                    cfg.prefill_timeout_s + 2 * cfg.rpc_timeout_s,
+                )
                 try:
-                    res = await self.router.call(
-                        w,
-                        w.handle.reserve.remote(
-                            spec.request_id,
-                            spec.attempt,
-                            spec.num_tokens,
-                            self.router.id,
-                            cfg.prefill_timeout_s + 2 * cfg.rpc_timeout_s,
-                        ),
-                    )
+                    res = await self.router.call(w, ref)
                 except AttemptFailed:
                     continue  # that worker is gone or slow: try the next
+                except asyncio.CancelledError:  # the request ended with the call out
+                    self.router.release_when_made(w, ref, spec.request_id)
+                    raise
                 if res is not None:
                     self.decode = w.name
                     self.router.reserved(w.name, res.num_blocks)
@@ -211,10 +212,14 @@ class RequestDriver:
 
     async def _submit_colocated(self, spec: RequestSpec) -> WorkerRef:
         for w in await self._candidates(Pool.DECODE):
+            ref = w.handle.submit.remote(spec)
             try:
-                took = await self.router.call(w, w.handle.submit.remote(spec))
+                took = await self.router.call(w, ref)
             except AttemptFailed:
                 continue
+            except asyncio.CancelledError:  # the request ended with the call out
+                self.router.release_when_made(w, ref, spec.request_id)
+                raise
             if took:
                 self.decode = w.name
                 self.router.reserved(w.name, 0)

@@ -34,12 +34,21 @@ class Tokenizer:
         """One user message through the chat template, ready for the assistant's turn."""
         if not self.has_chat_template:
             return self.encode(text)
-        ids = self.hf.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
+        return self.encode_messages([{"role": "user", "content": text}])
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        """A conversation ({"role", "content"} dicts) through the chat template, ready for
+        the assistant's turn."""
+        if not self.has_chat_template:
+            raise ValueError("the model has no chat template: send a plain prompt instead")
+        ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, special tokens included (for logprobs)."""
+        return self.hf.decode([token_id], skip_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))

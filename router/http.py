@@ -1,0 +1,445 @@
+"""The OpenAI-compatible HTTP face of the router, beside gRPC (`router.http_port`).
+
+    POST /v1/completions        prompt as text (no chat template) or token ids
+    POST /v1/chat/completions   messages through the model's chat template
+    GET  /v1/models             the served model
+    GET  /health                200 while the router serves
+
+Both POSTs stream as server-sent events with `"stream": true` (`data: [DONE]` last;
+`stream_options.include_usage` adds a usage event) or answer with one JSON object. Sampling
+fields are the gRPC ones with OpenAI's and vLLM's names (`max_tokens`, `temperature`, `top_p`,
+`top_k`, `min_p`, `seed`, `stop`, `stop_token_ids`, `ignore_eos`, `presence_penalty`,
+`frequency_penalty`, `repetition_penalty`, `logit_bias`, `min_tokens`, `logprobs`,
+`top_logprobs`), plus Tandem's `deadline_s`: seconds after which the request is cancelled and
+answered 504.
+
+The handlers build the same GenerateRequest the gRPC edge receives, check it with the same
+`validate`, and follow the router's own stream (`Router.generate`): no loopback call. A client
+that disconnects cancels its request, which frees its blocks on every worker. Errors answer
+with OpenAI's error object and the HTTP status of the router's status (400 invalid, 401 bad
+key, 429 queue full, 503 pool empty, 504 deadline); a failure after streaming began ends the
+stream with an `{"error": ...}` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from router.api import tandem_pb2 as pb
+from router.core import Router
+from router.errors import RouterError
+from router.stream import Chunk
+from router.validation import InvalidRequest, validate
+from workers.messages import Status
+
+log = logging.getLogger(__name__)
+
+HTTP_STATUS = {
+    Status.INVALID_ARGUMENT: 400,
+    Status.UNAUTHENTICATED: 401,
+    Status.NOT_FOUND: 404,
+    Status.ALREADY_EXISTS: 409,
+    Status.FAILED_PRECONDITION: 400,
+    Status.RESOURCE_EXHAUSTED: 429,
+    Status.CANCELLED: 499,
+    Status.INTERNAL: 500,
+    Status.UNAVAILABLE: 503,
+    Status.DEADLINE_EXCEEDED: 504,
+}
+_ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+_ERROR_TYPE |= {409: "conflict_error", 429: "rate_limit_error"}
+
+# Request fields copied as they are into the proto's SamplingParams.
+_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop_token_ids",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "n",
+)
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    @classmethod
+    def of(cls, e: RouterError) -> HttpError:
+        return cls(HTTP_STATUS.get(e.status, 500), e.message)
+
+    def body(self) -> dict:
+        kind = _ERROR_TYPE.get(self.status, "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": None}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status)
+
+
+class OpenAIFront:
+    def __init__(
+        self,
+        router: Router,
+        model_name: str,
+        max_model_len: int,
+        vocab_size: int,
+        auth_token: str | None = None,
+    ) -> None:
+        self.router = router
+        self.tokenizer = router.tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.auth_token = auth_token
+        self.created = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors], client_max_size=64 << 20)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            if request.path != "/health" and self.auth_token:
+                if request.headers.get("Authorization") != f"Bearer {self.auth_token}":
+                    raise HttpError(401, "missing or wrong API key (Authorization: Bearer ...)")
+            return await handler(request)
+        except HttpError as e:
+            return e.response()
+        except RouterError as e:
+            return HttpError.of(e).response()
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "tandem",
+            "max_model_len": self.max_model_len,
+        }
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    # -- one request ------------------------------------------------------------------------
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise HttpError(400, "the body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise HttpError(400, "the body must be a JSON object")
+        model = body.get("model", self.model_name)
+        if model != self.model_name:
+            raise HttpError(
+                404, f"the model {model!r} does not exist; this serves {self.model_name!r}", "model"
+            )
+        ids = self._prompt_ids(body, chat)
+        msg = pb.GenerateRequest(prompt_ids=ids, sampling=self._sampling(body, chat, len(ids)))
+        try:
+            adm = validate(msg, self.tokenizer, self.max_model_len, self.vocab_size)
+        except (InvalidRequest, ValueError) as e:
+            raise HttpError(400, str(e)) from None
+        reply = Reply(self, adm.request_id, chat, body, len(ids))
+        chunks = self._chunks(adm, body.get("deadline_s"))
+        try:
+            if body.get("stream"):
+                return await self._stream(request, reply, chunks)
+            async for chunk in chunks:
+                reply.add(chunk)
+            return web.json_response(reply.whole())
+        finally:
+            await chunks.aclose()  # however the answer ends, the request does not outlive it
+
+    async def _stream(
+        self, request: web.Request, reply: Reply, chunks: AsyncIterator[Chunk]
+    ) -> web.StreamResponse:
+        # The first chunk before the headers: a request refused up front answers with its
+        # HTTP status, not a 200 stream that holds only an error.
+        first = await anext(chunks, None)
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        try:
+            for event in reply.opening():
+                await _send(response, event)
+            if first is not None:
+                await _send(response, reply.delta(first))
+                async for chunk in chunks:
+                    await _send(response, reply.delta(chunk))
+            if reply.include_usage:
+                await _send(response, reply.usage_event())
+        except (RouterError, HttpError) as e:
+            err = HttpError.of(e) if isinstance(e, RouterError) else e
+            await _send(response, err.body())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _chunks(self, adm, deadline_s) -> AsyncIterator[Chunk]:
+        """The request's chunks; a failed request raises its RouterError, and one past its
+        deadline is cancelled (closing the router's stream cancels it) and raises 504."""
+        if deadline_s is not None and not (isinstance(deadline_s, (int, float)) and deadline_s > 0):
+            raise HttpError(400, f"deadline_s={deadline_s!r}: must be a positive number")
+        stream = self.router.generate(adm)
+        loop = asyncio.get_running_loop()
+        end = None if deadline_s is None else loop.time() + deadline_s
+        try:
+            while True:
+                try:
+                    left = None if end is None else max(end - loop.time(), 0)
+                    chunk = await asyncio.wait_for(anext(stream), left)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise HttpError(
+                        504, f"the request passed its deadline of {deadline_s} s; cancelled"
+                    ) from None
+                if chunk.finished and chunk.status is not Status.OK:
+                    raise RouterError(chunk.status, chunk.error or chunk.status.value)
+                yield chunk
+        finally:
+            await stream.aclose()  # the router cancels a request whose caller went away
+
+    def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise HttpError(400, "messages: give a non-empty list of messages", "messages")
+            for m in messages:
+                if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
+                    raise HttpError(400, "messages: each needs a role and content", "messages")
+                if not isinstance(m.get("content"), str):
+                    raise HttpError(
+                        400, "messages: content must be a string (text only)", "messages"
+                    )
+            try:
+                return self.tokenizer.encode_messages(
+                    [{"role": m["role"], "content": m["content"]} for m in messages]
+                )
+            except ValueError as e:
+                raise HttpError(400, f"messages: {e}", "messages") from None
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str) and prompt:
+            return self.tokenizer.encode(prompt)
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            return prompt
+        raise HttpError(400, "prompt: give one non-empty string or one list of token ids", "prompt")
+
+    def _sampling(self, body: dict, chat: bool, prompt_len: int) -> pb.SamplingParams:
+        sp = pb.SamplingParams()
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is None:  # chat: up to the context, as vLLM; completions: 16
+            max_tokens = max(self.max_model_len - prompt_len, 1) if chat else 16
+        fields = {name: body[name] for name in _SAMPLING if body.get(name) is not None}
+        fields["max_tokens"] = max_tokens
+        stop = body.get("stop")
+        if stop is not None:
+            fields["stop"] = [stop] if isinstance(stop, str) else stop
+        if body.get("logit_bias") is not None:
+            bias = body["logit_bias"]
+            try:
+                fields["logit_bias"] = {int(k): v for k, v in bias.items()}
+            except (AttributeError, ValueError):
+                raise HttpError(400, "logit_bias: map token ids to biases", "logit_bias") from None
+        logprobs = body.get("logprobs")
+        if chat:  # logprobs: bool, top_logprobs: int
+            fields["logprobs"] = bool(logprobs)
+            if body.get("top_logprobs") is not None:
+                fields["top_logprobs"] = body["top_logprobs"]
+        elif logprobs is not None:  # completions: logprobs is the number of alternatives
+            fields["logprobs"] = True
+            fields["top_logprobs"] = logprobs
+        for name, value in fields.items():
+            try:
+                if isinstance(value, list):
+                    getattr(sp, name).extend(value)
+                elif isinstance(value, dict):
+                    getattr(sp, name).update(value)
+                else:
+                    setattr(sp, name, value)
+            except (TypeError, ValueError) as e:
+                raise HttpError(400, f"{name}={value!r}: wrong type ({e})", name) from None
+        return sp
+
+
+class Reply:
+    """One request's answer in OpenAI's shapes: a whole response, or stream events."""
+
+    def __init__(
+        self, front: OpenAIFront, request_id: str, chat: bool, body: dict, prompt_tokens: int
+    ):
+        self.front, self.chat = front, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.text = ""
+        self.finish_reason = None
+        # Chat: logprobs is a flag; completions: the number of alternatives (0 included).
+        logprobs = body.get("logprobs")
+        self.want_logprobs = bool(logprobs) if chat else logprobs is not None
+        options = body.get("stream_options") or {}
+        self.include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
+        self.content: list[dict] = []  # chat logprobs, per token
+        self.tokens: list[str] = []  # completions logprobs
+        self.token_logprobs: list[float] = []
+        self.top: list[dict | None] = []
+        self.offsets: list[int] = []
+        self._offset = 0
+
+    @property
+    def usage(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+    def add(self, chunk: Chunk) -> dict | None:
+        """Take a chunk in; returns the logprobs of its tokens (None without logprobs)."""
+        self.completion_tokens += len(chunk.token_ids)
+        self.text += chunk.text
+        if chunk.finished:
+            self.finish_reason = chunk.finish_reason
+        if not self.want_logprobs or not chunk.token_ids:
+            return None
+        tok = self.front.tokenizer
+        tops = chunk.top_logprobs or ((),) * len(chunk.token_ids)
+        if self.chat:
+            entries = [
+                {
+                    **_token_entry(tok.token_text(t), lp),
+                    "top_logprobs": [_token_entry(tok.token_text(a), alp) for a, alp in top],
+                }
+                for t, lp, top in zip(chunk.token_ids, chunk.logprobs, tops)
+            ]
+            self.content += entries
+            return {"content": entries}
+        part = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t, lp, top in zip(chunk.token_ids, chunk.logprobs, tops):
+            text = tok.token_text(t)
+            part["tokens"].append(text)
+            part["token_logprobs"].append(lp)
+            part["top_logprobs"].append({tok.token_text(a): alp for a, alp in top} or None)
+            part["text_offset"].append(self._offset)
+            self._offset += len(text)
+        self.tokens += part["tokens"]
+        self.token_logprobs += part["token_logprobs"]
+        self.top += part["top_logprobs"]
+        self.offsets += part["text_offset"]
+        return part
+
+    def _head(self, chunked: bool) -> dict:
+        kind = "chat.completion" if self.chat else "text_completion"
+        if self.chat and chunked:
+            kind += ".chunk"
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.front.model_name,
+        }
+
+    def whole(self) -> dict:
+        if self.chat:
+            logprobs = {"content": self.content} if self.want_logprobs else None
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": self.text},
+                "logprobs": logprobs,
+                "finish_reason": self.finish_reason,
+            }
+        else:
+            logprobs = None
+            if self.want_logprobs:
+                logprobs = {
+                    "tokens": self.tokens,
+                    "token_logprobs": self.token_logprobs,
+                    "top_logprobs": self.top,
+                    "text_offset": self.offsets,
+                }
+            choice = {
+                "index": 0,
+                "text": self.text,
+                "logprobs": logprobs,
+                "finish_reason": self.finish_reason,
+            }
+        return {**self._head(False), "choices": [choice], "usage": self.usage}
+
+    def opening(self) -> list[dict]:
+        """Chat streams open with the assistant's role, as OpenAI's do."""
+        if not self.chat:
+            return []
+        delta = {"role": "assistant", "content": ""}
+        return [self._event({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})]
+
+    def delta(self, chunk: Chunk) -> dict:
+        logprobs = self.add(chunk)
+        reason = chunk.finish_reason if chunk.finished else None
+        if self.chat:
+            delta = {"content": chunk.text} if chunk.text or not chunk.finished else {}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": chunk.text, "logprobs": logprobs, "finish_reason": reason}
+        return self._event(choice)
+
+    def usage_event(self) -> dict:
+        return {**self._head(True), "choices": [], "usage": self.usage}
+
+    def _event(self, choice: dict) -> dict:
+        event = {**self._head(True), "choices": [choice]}
+        if self.include_usage:
+            event["usage"] = None
+        return event
+
+
+def _token_entry(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+async def _send(response: web.StreamResponse, event: dict) -> None:
+    await response.write(f"data: {json.dumps(event)}\n\n".encode())
+
+
+async def start_http(front: OpenAIFront, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serves the front; returns the runner (for `cleanup`) and the bound port. A client that
+    disconnects has its handler cancelled, and with it its request."""
+    runner = web.AppRunner(front.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]
+    log.info("OpenAI-compatible HTTP on %s:%d", host, bound)
+    return runner, bound

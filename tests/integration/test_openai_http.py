@@ -1,0 +1,181 @@
+"""The OpenAI-compatible HTTP front, called with the official `openai` client: one prefill and
+one decode worker, real Ray, Redis and gRPC, SmolLM2 in fp32."""
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from router.api import tandem_pb2 as pb
+from router.http import OpenAIFront, start_http
+from tests.integration.harness import CHATS, ClusterHarness, cluster_config
+
+pytestmark = pytest.mark.integration
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    h = ClusterHarness(
+        cluster_config(
+            router={"port": 0, "http_port": 0},
+            dashboard=False,
+            engine={"num_kv_blocks": 256},
+            data_dir=str(tmp_path_factory.mktemp("data")),
+        )
+    )
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    base = f"http://127.0.0.1:{cluster.cluster.http_port}/v1"
+    c = openai.OpenAI(base_url=base, api_key="x", max_retries=0)  # statuses as they come
+    yield c
+    c.close()
+
+
+def grpc_text(cluster, **msg) -> tuple[str, list[int]]:
+    r = cluster.run(cluster.client.generate(pb.GenerateRequest(**msg), timeout_s=120))
+    assert r.status == "OK", r.error
+    return r.text, r.token_ids
+
+
+def test_models_and_health(cluster, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    r = httpx.get(f"http://127.0.0.1:{cluster.cluster.http_port}/health")
+    assert r.status_code == 200
+
+
+def test_completions_equal_the_grpc_path_streaming_or_not(cluster, client):
+    prompt = "The three primary colours are"
+    ids = cluster.cluster.router.tokenizer.encode(prompt)
+    want, tokens = grpc_text(
+        cluster, prompt_ids=ids, sampling=pb.SamplingParams(max_tokens=24, temperature=0)
+    )
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert whole.choices[0].text == want
+    assert whole.usage.completion_tokens == len(tokens)
+    assert whole.usage.prompt_tokens == len(ids)
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    # Token ids as the prompt, streamed, with the usage event at the end.
+    events = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=ids,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(e.choices[0].text for e in events if e.choices) == want
+    assert events[-1].usage.completion_tokens == len(tokens)
+    assert [e.choices[0].finish_reason for e in events if e.choices][-1] in ("stop", "length")
+
+
+def test_chat_equals_the_grpc_path_with_logprobs(cluster, client):
+    want, tokens = grpc_text(
+        cluster, prompt=CHATS[1], sampling=pb.SamplingParams(max_tokens=20, temperature=0)
+    )
+    messages = [{"role": "user", "content": CHATS[1]}]
+    whole = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    choice = whole.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == want
+    assert len(choice.logprobs.content) == len(tokens)
+    for entry in choice.logprobs.content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)  # greedy
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=True
+    )
+    parts = [e.choices[0].delta.content or "" for e in streamed]
+    assert "".join(parts) == want
+
+
+def test_seeded_sampling_matches_grpc(cluster, client):
+    sampling = dict(max_tokens=16, temperature=0.8, top_p=0.9, seed=42)
+    want, _ = grpc_text(cluster, prompt=CHATS[2], sampling=pb.SamplingParams(**sampling))
+    got = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": CHATS[2]}],
+        extra_body={"min_tokens": 0, "repetition_penalty": 1.0},
+        **sampling,
+    )
+    assert got.choices[0].message.content == want
+
+
+@pytest.mark.parametrize(
+    "kwargs, status, fragment",
+    [
+        (dict(temperature=-1.0), 400, "temperature"),
+        (dict(top_p=1.5), 400, "top_p"),
+        (dict(max_tokens=10**6), 400, "max_tokens"),
+        (dict(model="gpt-4"), 404, "does not exist"),
+        (dict(extra_body={"deadline_s": 0.001}), 504, "deadline"),
+        (dict(n=2), 400, "sampling.n=2"),
+    ],
+)
+def test_errors_carry_their_http_status(cluster, client, kwargs, status, fragment):
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=64)
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(**{**args, **kwargs})
+    assert e.value.status_code == status
+    assert fragment in e.value.message
+    s = cluster.wait_all_free()  # G3: nothing held, not even a reservation
+    for w in s["prefill"] + s["decode"]:
+        assert w["kv_blocks_free"] == w["kv_blocks_total"] and w["reserved"] == 0, w
+
+
+def test_auth_with_the_same_token_as_grpc(cluster):
+    front = OpenAIFront(cluster.cluster.router, MODEL, 8192, 49152, auth_token="s3cret")
+    runner, port = cluster.run(start_http(front, "127.0.0.1", 0))
+    try:
+        base = f"http://127.0.0.1:{port}/v1"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
+        ok = openai.OpenAI(base_url=base, api_key="s3cret")
+        assert ok.models.list().data[0].id == MODEL
+    finally:
+        cluster.run(runner.cleanup())
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(cluster):
+    url = f"http://127.0.0.1:{cluster.cluster.http_port}/v1/completions"
+    body = {
+        "prompt": "Count from one to one thousand:",
+        "max_tokens": 400,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+    async def read_some() -> int:
+        got = 0
+        async with httpx.AsyncClient(timeout=60) as http:
+            async with http.stream("POST", url, json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        got += len(json.loads(line[6:])["choices"][0]["text"]) > 0
+                    if got >= 5:
+                        break  # leaving the block closes the connection mid-stream
+        return got
+
+    assert asyncio.run(read_some()) >= 5
+    s = cluster.wait_all_free()
+    for w in s["prefill"] + s["decode"]:
+        assert w["kv_blocks_free"] == w["kv_blocks_total"], w
+        assert w["running"] == 0
+    assert not cluster.cluster.router.drivers
