@@ -20,6 +20,19 @@ def cluster_config(**values) -> ClusterConfig:
     return config_io.build(ClusterConfig, values, "test config")
 
 
+def one_by_one(data_dir: str, **router) -> ClusterHarness:
+    """One prefill and one decode worker with 256 KV blocks each, the router on free ports
+    (plus `router` fields, e.g. http_port=0)."""
+    return ClusterHarness(
+        cluster_config(
+            router={"port": 0, **router},
+            dashboard=False,
+            engine={"num_kv_blocks": 256},
+            data_dir=data_dir,
+        )
+    )
+
+
 class ClusterHarness:
     def __init__(self, cfg: ClusterConfig) -> None:
         self.loop = asyncio.new_event_loop()

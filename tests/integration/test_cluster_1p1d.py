@@ -10,13 +10,7 @@ import grpc
 import pytest
 
 from router.api import tandem_pb2 as pb
-from tests.integration.harness import (
-    CHATS,
-    ClusterHarness,
-    cluster_config,
-    greedy,
-    offline_reference,
-)
+from tests.integration.harness import CHATS, greedy, offline_reference, one_by_one
 
 pytestmark = pytest.mark.integration
 
@@ -25,14 +19,7 @@ REQUESTS = [greedy(c, 24 + 4 * i) for i, c in enumerate(CHATS * 2)]  # 16 concur
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    h = ClusterHarness(
-        cluster_config(
-            router={"port": 0},
-            dashboard=False,
-            engine={"num_kv_blocks": 256},
-            data_dir=str(tmp_path_factory.mktemp("data")),
-        )
-    )
+    h = one_by_one(str(tmp_path_factory.mktemp("data")))
     yield h
     h.stop()
 

@@ -10,7 +10,7 @@ import pytest
 
 from router.api import tandem_pb2 as pb
 from router.http import OpenAIFront, start_http
-from tests.integration.harness import CHATS, ClusterHarness, cluster_config
+from tests.integration.harness import CHATS, one_by_one
 
 pytestmark = pytest.mark.integration
 
@@ -19,14 +19,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    h = ClusterHarness(
-        cluster_config(
-            router={"port": 0, "http_port": 0},
-            dashboard=False,
-            engine={"num_kv_blocks": 256},
-            data_dir=str(tmp_path_factory.mktemp("data")),
-        )
-    )
+    h = one_by_one(str(tmp_path_factory.mktemp("data")), http_port=0)
     yield h
     h.stop()
 
