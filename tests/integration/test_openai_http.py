@@ -50,9 +50,14 @@ def test_completions_equal_the_grpc_path_streaming_or_not(cluster, client):
     want, tokens = grpc_text(
         cluster, prompt_ids=ids, sampling=pb.SamplingParams(max_tokens=24, temperature=0)
     )
-    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    whole = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, logprobs=0
+    )
     assert whole.choices[0].text == want
     assert whole.usage.completion_tokens == len(tokens)
+    # Token for token, as far as the API shows tokens: each one's text.
+    tok = cluster.cluster.router.tokenizer
+    assert whole.choices[0].logprobs.tokens == [tok.token_text(t) for t in tokens]
     assert whole.usage.prompt_tokens == len(ids)
     assert whole.choices[0].finish_reason in ("stop", "length")
     # Token ids as the prompt, streamed, with the usage event at the end.
@@ -86,7 +91,8 @@ def test_chat_equals_the_grpc_path_with_logprobs(cluster, client):
     )
     choice = whole.choices[0]
     assert choice.message.role == "assistant" and choice.message.content == want
-    assert len(choice.logprobs.content) == len(tokens)
+    tok = cluster.cluster.router.tokenizer
+    assert [e.token for e in choice.logprobs.content] == [tok.token_text(t) for t in tokens]
     for entry in choice.logprobs.content:
         assert len(entry.top_logprobs) == 3
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-5)  # greedy
