@@ -159,7 +159,10 @@ class OpenAIFront:
                 404, f"the model {model!r} does not exist; this serves {self.model_name!r}", "model"
             )
         ids = self._prompt_ids(body, chat)
-        msg = pb.GenerateRequest(prompt_ids=ids, sampling=self._sampling(body, chat, len(ids)))
+        try:
+            msg = pb.GenerateRequest(prompt_ids=ids, sampling=self._sampling(body, chat, len(ids)))
+        except ValueError:  # an id past int32
+            raise HttpError(400, "prompt: token ids must be in the vocabulary", "prompt") from None
         try:
             adm = validate(msg, self.tokenizer, self.max_model_len, self.vocab_size)
         except (InvalidRequest, ValueError) as e:
@@ -207,13 +210,13 @@ class OpenAIFront:
         if deadline_s is not None and not (isinstance(deadline_s, (int, float)) and deadline_s > 0):
             raise HttpError(400, f"deadline_s={deadline_s!r}: must be a positive number")
         stream = self.router.generate(adm)
-        loop = asyncio.get_running_loop()
-        end = None if deadline_s is None else loop.time() + deadline_s
+        end = None if deadline_s is None else asyncio.get_running_loop().time() + deadline_s
         try:
             while True:
+                # The deadline covers waiting for the router, never the caller's own writes.
                 try:
-                    left = None if end is None else max(end - loop.time(), 0)
-                    chunk = await asyncio.wait_for(anext(stream), left)
+                    async with asyncio.timeout_at(end):  # None: no deadline
+                        chunk = await anext(stream)
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
@@ -242,7 +245,7 @@ class OpenAIFront:
                 return self.tokenizer.encode_messages(
                     [{"role": m["role"], "content": m["content"]} for m in messages]
                 )
-            except ValueError as e:
+            except Exception as e:  # no template, or the template refuses these roles
                 raise HttpError(400, f"messages: {e}", "messages") from None
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -289,7 +292,7 @@ class OpenAIFront:
                     getattr(sp, name).update(value)
                 else:
                     setattr(sp, name, value)
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError, AttributeError) as e:
                 raise HttpError(400, f"{name}={value!r}: wrong type ({e})", name) from None
         return sp
 

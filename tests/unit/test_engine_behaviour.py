@@ -221,3 +221,16 @@ def test_top_logprobs_come_with_every_token(tiny_llama_dir):
         assert lp <= values[0] + 1e-6
         if token in dict(top):
             assert dict(top)[token] == pytest.approx(lp, abs=1e-5)
+
+
+def test_a_short_stop_string_in_text_already_searched_does_not_match_later(tiny_llama_dir):
+    from workers.engine.stop_strings import StopStringMatcher
+    from workers.model.loader import resolve_model
+    from workers.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(resolve_model(str(tiny_llama_dir)))
+    a, nl, b = (tok.encode(t) for t in ("a", "\n", "b"))
+    m = StopStringMatcher(tok, ("\n", "###END"))
+    assert m.push(a, search=False) is None and m.push(nl, search=False) is None  # min_tokens
+    assert m.push(b) is None and m.text == "a\nb"  # the held-back "\n" stays held back
+    assert m.push(nl) == "\n" and m.text == "a\nb"

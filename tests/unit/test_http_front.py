@@ -98,6 +98,8 @@ def test_malformed_bodies_are_400_naming_the_field(tokenizer):
             (dict(prompt=""), "prompt"),
             (dict(prompt="hi", extra_body={"logit_bias": {"x": 1}}), "logit_bias"),
             (dict(prompt="hi", extra_body={"deadline_s": -1}), "deadline_s"),
+            (dict(prompt="hi", extra_body={"stop": {"x": 1}}), "stop"),
+            (dict(prompt=[2**40]), "prompt"),
         ]:
             with pytest.raises(openai.BadRequestError, match=fragment):
                 await client.completions.create(model="m", **kwargs)

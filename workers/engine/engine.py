@@ -31,7 +31,6 @@ from workers.engine.request import (
     Request,
     RequestStatus,
     SamplingParams,
-    choice_id,
 )
 from workers.engine.scheduler import Scheduler
 from workers.engine.stop_strings import StopStringMatcher
@@ -137,6 +136,8 @@ class LLMEngine:
         self.validate_sampling(sampling)
         if sampling.n > 1 and (output_ids or stop_after is not None or keep_kv):
             raise ValueError("n > 1 is for a fresh request, not a replay or a prefill")
+        if request_id is not None and "#" in request_id:
+            raise ValueError(f"request id {request_id!r}: '#' is kept for the ids of choices")
         req = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=list(prompt_token_ids),
@@ -278,14 +279,16 @@ class LLMEngine:
         if self.scheduler.release(request_id):
             self._stops.pop(request_id, None)
             return True
-        req = self.scheduler.requests.get(request_id)
-        n = req.sampling.n if req is not None else 1
-        found = False
-        for cid in [choice_id(request_id, i) for i in range(n)]:
-            self._stops.pop(cid, None)
-            ended = self.scheduler.finish_request(cid, RequestStatus.FINISHED_CANCELLED)
-            found = found or ended is not None
-        return found
+        # Every choice still running, whether or not choice 0 has ended.
+        family = [
+            r.request_id
+            for r in self.scheduler.requests.values()
+            if request_id in (r.request_id, r.parent_id)
+        ]
+        for rid in family:
+            self._stops.pop(rid, None)
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_CANCELLED)
+        return bool(family)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -18,6 +18,10 @@ class SchedulingPolicy(ABC):
         """Called once when a request enters; ties are broken by arrival order."""
         self._order[req.request_id] = next(self._ticket)
 
+    def inherit(self, child: Request, parent: Request) -> None:
+        """A request forked from `parent` (a choice of n > 1) takes its place in the order."""
+        self._order[child.request_id] = self._order[parent.request_id]
+
     def forget(self, req: Request) -> None:
         self._order.pop(req.request_id, None)
 

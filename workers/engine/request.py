@@ -119,6 +119,8 @@ class SamplingParams:
             raise bad("seed", "must be an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be token ids (integers >= 0)")
         if not isinstance(self.top_logprobs, int) or not (
             0 <= self.top_logprobs <= MAX_TOP_LOGPROBS
         ):

@@ -165,9 +165,10 @@ class Scheduler:
         self.waiting.sort(key=self.policy.key)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            # A request that will fork counts all its choices against max_num_seqs.
-            seqs = req.sampling.n if req.forks_pending else 1
-            if self.running and len(self.running) + seqs > self.config.max_num_seqs:
+            # A request that will fork counts all its choices against max_num_seqs, and so do
+            # running ones that have not forked yet.
+            seqs = sum(r.sampling.n if r.forks_pending else 1 for r in [*self.running, req])
+            if self.running and seqs > self.config.max_num_seqs:
                 break
             n = self._admit(req, budget)
             if n == 0:
@@ -236,7 +237,7 @@ class Scheduler:
         child.num_cached_tokens = parent.num_cached_tokens
         child.status = RequestStatus.RUNNING
         self.requests[child.request_id] = child
-        self.policy.register(child)
+        self.policy.inherit(child, parent)  # served, and preempted, as its parent
         self.running.append(child)
         self.kv.fork(parent.request_id, child.request_id)
         return child

@@ -9,7 +9,6 @@ class StopStringMatcher:
     def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = stops
-        self._longest = max(len(s) for s in stops)
         self.text = ""
         self.stopped: str | None = None
 
@@ -22,12 +21,14 @@ class StopStringMatcher:
         if not delta or not search:
             self.text += delta
             return None
-        # Only the tail can hold a new match: the delta plus what a stop string could straddle.
-        start = max(0, len(self.text) - self._longest + 1)
+        # Only the tail can hold a new match: the delta plus what each stop string could
+        # straddle (a shorter one wholly in text already searched, or never searched before
+        # min_tokens, must not match now).
+        before = len(self.text)
         self.text += delta
         best = None
         for s in self.stops:
-            i = self.text.find(s, start)
+            i = self.text.find(s, max(0, before - len(s) + 1))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is not None:
