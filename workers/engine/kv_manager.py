@@ -70,8 +70,8 @@ class KVCacheManager:
         table = list(self.tables[parent_id])
         self.pool.hold(table)
         self.tables[child_id] = table
-        self._published[child_id] = self._published.get(parent_id, 0)
-        self._hashes[child_id] = list(self._hashes.get(parent_id, []))[: self._published[child_id]]
+        published = self._published[child_id] = self._published.get(parent_id, 0)
+        self._hashes[child_id] = self._hashes.get(parent_id, [])[:published]  # a copy
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write copies made since the last call, for the step about to run. (A
