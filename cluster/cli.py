@@ -41,6 +41,7 @@ def _requests(args: argparse.Namespace) -> list[GenerationRequest]:
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         seed=getattr(args, "cfg__seed", None),
+        n=args.n,
     )
     return [GenerationRequest(prompt=args.prompt, sampling=sampling)]
 
@@ -151,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON line per request, in order")
     gen.add_argument("--max-tokens", type=int, default=256, help="for a PROMPT (default 256)")
     gen.add_argument("--temperature", type=float, default=0.0, help="for a PROMPT (default 0)")
+    gen.add_argument(
+        "--n", type=int, default=1, help="for a PROMPT: completions to draw (default 1)"
+    )
     add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
     from cluster.cli_remote import cmd_status

@@ -18,17 +18,19 @@ async def generate_remote(args: argparse.Namespace, requests) -> int:
 
     async def one(i, req):
         async with sem:
-            results[i] = await client.generate(to_proto(req), timeout_s=args.timeout)
+            results[i] = await client.generate_choices(to_proto(req), timeout_s=args.timeout)
 
     def flush() -> None:
         nonlocal printed
         while printed in results:
-            r = results[printed]
-            if args.json:
-                print(json.dumps(r.completion(printed).to_json()), flush=True)
-            else:
-                if len(requests) > 1:
-                    print(f"=== request {printed} ===")
+            choices = results[printed]
+            for r in choices:
+                if args.json:
+                    print(json.dumps(r.completion(printed).to_json()), flush=True)
+                    continue
+                if len(requests) > 1 or len(choices) > 1:
+                    which = f", choice {r.index}" if len(choices) > 1 else ""
+                    print(f"=== request {printed}{which} ===")
                 print(r.text if r.status == "OK" else f"[{r.status}] {r.error}", flush=True)
             printed += 1
 
@@ -39,7 +41,9 @@ async def generate_remote(args: argparse.Namespace, requests) -> int:
             flush()
     finally:
         await client.close()
-    bad = [r for r in results.values() if r.status != "OK" or r.finish_reason == "error"]
+    bad = [
+        r for rs in results.values() for r in rs if r.status != "OK" or r.finish_reason == "error"
+    ]
     for r in bad:
         print(
             f"tandem generate: {r.request_id or 'request'}: {r.status}: {r.error}", file=sys.stderr

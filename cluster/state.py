@@ -2,7 +2,8 @@
 TokenLog (blocking, picklable), over one key schema:
 
     tandem:req:<id>            hash: prompt_ids, sampling, priority, tenant, state, owner,
-                               attempt, prefill, decode, created, updated, finish_reason, error
+                               attempt, prefill, decode, created, updated, finish_reason, error,
+                               choices (n; each choice of an n > 1 request has a record, <id>#i)
     tandem:req:<id>:tokens     list: output token ids, in order
     tandem:req:<id>:failures   list: why each failed attempt failed
     tandem:active              set: ids of records not yet terminal
@@ -200,6 +201,7 @@ def _fields(rec: RequestRecord) -> dict:
         "finish_reason": rec.finish_reason,
         "status": rec.status.value,
         "error": rec.error,
+        "choices": rec.choices,
         "created": now,
         "updated": now,
     }
@@ -221,6 +223,7 @@ def _record(request_id: str, h: dict, failures: list[str]) -> RequestRecord:
         status=Status(h.get("status") or "OK"),
         error=h.get("error", ""),
         failures=tuple(failures),
+        choices=int(h.get("choices", 1)),
     )
 
 

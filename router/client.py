@@ -71,8 +71,14 @@ class StreamResult:
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # seconds since submission
     resumes: int = 0  # how many times the stream moved to another router (or reconnected)
+    index: int = 0  # which of the request's n choices
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.status != "OK"
 
     def completion(self, index: int) -> Completion:
+        """As the offline API gives it: `index` is the request's place in its batch."""
         return Completion(
             index,
             self.request_id,
@@ -85,6 +91,7 @@ class StreamResult:
             self.e2e_s,
             self.logprobs or None,
             self.top_logprobs or None,
+            choice=self.index,
         )
 
 
@@ -117,49 +124,78 @@ class TandemClient:
         on_chunk=None,
         max_resumes: int | None = None,
     ) -> StreamResult:
-        """Runs a request to its end, resuming on the next router if its stream breaks."""
+        """Runs a request of one completion to its end (see generate_choices)."""
+        if msg.sampling.n > 1:
+            raise ValueError(f"n={msg.sampling.n}: use generate_choices, one result per choice")
+        return (await self.generate_choices(msg, timeout_s, on_chunk, max_resumes))[0]
+
+    async def generate_choices(
+        self,
+        msg: pb.GenerateRequest,
+        timeout_s: float | None = None,
+        on_chunk=None,
+        max_resumes: int | None = None,
+    ) -> list[StreamResult]:
+        """Runs a request to its end: one result per choice (n of them), in index order. If
+        the stream breaks, every unfinished choice resumes on the next router from its own
+        offset."""
         rid = msg.request_id or uuid.uuid4().hex  # ours, so a broken stream resumes by id
         if not msg.request_id:
             fresh = pb.GenerateRequest()
             fresh.CopyFrom(msg)
             fresh.request_id = rid
             msg = fresh
-        res = StreamResult(request_id=rid)
+        results = [StreamResult(request_id=rid, index=i) for i in range(max(msg.sampling.n, 1))]
         t0 = time.perf_counter()
         deadline = None if timeout_s is None else t0 + timeout_s
         tries = max_resumes if max_resumes is not None else 2 * len(self.channels) + 2
         resume, at = False, self.current
+
+        async def take(call) -> None:
+            async for r in call:
+                self._take(results[r.index], r, t0, on_chunk, msg.sampling)
+
         while True:
             left = None if deadline is None else max(0.001, deadline - time.perf_counter())
             gen = self._gen(at)
             if resume:
-                call = gen.Resume(
-                    pb.ResumeRequest(request_id=rid, offset=len(res.token_ids)),
-                    timeout=left,
-                    metadata=self.metadata,
-                )
+                calls = [
+                    gen.Resume(
+                        pb.ResumeRequest(request_id=rid, offset=len(r.token_ids), index=r.index),
+                        timeout=left,
+                        metadata=self.metadata,
+                    )
+                    for r in results
+                    if not r.done
+                ]
             else:
-                call = gen.Generate(msg, timeout=left, metadata=self.metadata)
-            try:
-                async for r in call:
-                    self._take(res, r, t0, on_chunk, msg.sampling)
+                calls = [gen.Generate(msg, timeout=left, metadata=self.metadata)]
+            outcomes = await asyncio.gather(*(take(c) for c in calls), return_exceptions=True)
+            errors = [e for e in outcomes if isinstance(e, BaseException)]
+            if not errors:
                 break
-            except grpc.aio.AioRpcError as e:
-                code = e.code()
-                if code == grpc.StatusCode.NOT_FOUND and resume:
-                    resume = False  # never recorded: submit it again, same id
-                    continue
-                if code != grpc.StatusCode.UNAVAILABLE or tries <= 0 or _router_decided(e):
-                    res.status, res.error = code.name, e.details()
-                    break
-                tries -= 1
-                res.resumes += 1
-                at = (at + 1) % len(self.channels)
-                self.current = at  # later calls start where this one goes on
-                resume = True
-                await asyncio.sleep(0.2)
-        res.e2e_s = time.perf_counter() - t0
-        return res
+            e = errors[0]
+            if not isinstance(e, grpc.aio.AioRpcError):
+                raise e
+            code = e.code()
+            if code == grpc.StatusCode.NOT_FOUND and resume:
+                resume = False  # never recorded: submit it again, same id
+                continue
+            if code != grpc.StatusCode.UNAVAILABLE or tries <= 0 or _router_decided(e):
+                for r in results:
+                    if not r.done:
+                        r.status, r.error = code.name, e.details()
+                break
+            tries -= 1
+            for r in results:
+                r.resumes += 1
+            at = (at + 1) % len(self.channels)
+            self.current = at  # later calls start where this one goes on
+            resume = True
+            await asyncio.sleep(0.2)
+        for r in results:
+            r.e2e_s = r.e2e_s or time.perf_counter() - t0
+        return results
 
     @staticmethod
     def _take(res: StreamResult, r: pb.GenerateResponse, t0: float, on_chunk, sampling) -> None:
@@ -187,6 +223,7 @@ class TandemClient:
         if r.HasField("final"):
             res.finish_reason = r.final.finish_reason
             res.error = r.final.error or None
+            res.e2e_s = now
 
     async def cancel(self, request_id: str) -> bool:
         r = await self.gen.Cancel(

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from router.driver import RequestDriver
 from router.stream import RequestStream
+from workers.engine.request import choice_index
 
 if TYPE_CHECKING:
     from router.core import Router
@@ -102,8 +103,10 @@ class Controller:
                 rec.decode or "no worker",
             )
             spec = router.spec_of(rec)
-            stream = RequestStream.open(rid, router.tokenizer, spec.sampling.stop)
+            stream = RequestStream.open(
+                rid, router.tokenizer, spec.sampling.stop, index=choice_index(rid)
+            )
             driver = RequestDriver(router, spec, stream)
-            driver.tenant = rec.tenant
+            driver.tenant, driver.choices = rec.tenant, rec.choices
             router.drivers[rid] = driver
             driver.start(adopted=True)

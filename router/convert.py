@@ -24,6 +24,7 @@ def response(request_id: str, chunk: Chunk, prompt_tokens: int, completion_token
             pb.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
             for top in chunk.top_logprobs
         ],
+        index=chunk.index,
     )
     if chunk.finished:
         msg.final.CopyFrom(

@@ -23,14 +23,15 @@ import ray
 
 from router.config import RouterConfig
 from router.directory import PoolEvent, WorkerDirectory, WorkerRef
-from router.driver import AttemptFailed, RequestDriver, WorkerLost
+from router.driver import AttemptFailed, RequestDriver, SharedStart, WorkerLost
 from router.errors import RouterError
 from router.records import Records
 from router.resume import from_stream, tail_log
 from router.routing import RoutingPolicy, WorkerLoad
 from router.store import RecordState, RequestRecord, RequestStore
-from router.stream import Chunk, RequestStream
+from router.stream import Chunk, RequestStream, follow_all
 from router.validation import Admission
+from workers.engine.request import choice_id
 from workers.messages import Pool, RequestSpec, Status, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,8 @@ class Router:
         self.records.snapshots = self._snapshots
         self.policy = RoutingPolicy(block_size)
         self.loads: dict[str, WorkerLoad] = {}
-        self.drivers: dict[str, RequestDriver] = {}
+        self.drivers: dict[str, RequestDriver] = {}  # by request id (a choice's own id)
+        self.groups: dict[str, SharedStart] = {}  # n > 1 requests, by the request's id
         self.stats = RouterStats()
         self.slots = asyncio.Semaphore(config.max_in_flight)
         self.queue_depth = 0
@@ -343,6 +345,7 @@ class Router:
             status,
             error,
             tuple(d.failures),
+            d.choices,
         )
 
     def _snapshots(self) -> list[tuple[RequestRecord, list[int]]]:
@@ -350,8 +353,12 @@ class Router:
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(self, adm: Admission) -> AsyncIterator[Chunk]:
-        rid = adm.request_id
-        if rid in self.drivers:
+        """The request's chunks to its end; with n > 1, every choice's, each tagged with its
+        index, and the stream ends once all have ended."""
+        rid, spec = adm.request_id, adm.spec
+        n = spec.choices
+        specs = [spec.choice(i) for i in range(n)] if n > 1 else [spec]
+        if rid in self.drivers or rid in self.groups:
             raise RouterError(Status.ALREADY_EXISTS, f"request {rid} is already running")
         if self.queue_depth >= self.config.max_queue:
             raise RouterError(
@@ -364,26 +371,58 @@ class Router:
             await self.slots.acquire()
         finally:
             self.queue_depth -= 1
-        driver = None
+        drivers: list[RequestDriver] = []
+        shared = SharedStart(self, spec) if n > 1 else None
         try:
-            spec = adm.spec
-            await self.records.create(
-                RequestRecord(
-                    rid, spec.prompt_ids, spec.sampling, spec.priority, adm.tenant, owner=self.id
-                )
-            )
-            stream = RequestStream.open(rid, self.tokenizer, spec.sampling.stop)
-            driver = RequestDriver(self, spec, stream)
-            driver.tenant = adm.tenant
-            self.drivers[rid] = driver
-            driver.start()
-            async for chunk in stream.follow():
+            await self._create_records(specs, adm.tenant)
+            for i, c in enumerate(specs):
+                stream = RequestStream.open(c.request_id, self.tokenizer, c.sampling.stop, index=i)
+                driver = RequestDriver(self, c, stream, shared)
+                driver.tenant, driver.choices = adm.tenant, n
+                self.drivers[c.request_id] = driver
+                drivers.append(driver)
+            if shared is not None:
+                shared.drivers = drivers
+                self.groups[rid] = shared
+            for driver in drivers:
+                driver.start()
+            async for chunk in follow_all([d.stream for d in drivers]):
                 yield chunk
         finally:
             self.slots.release()
-            gone = driver is not None and not driver.stream.finished and not self.leaving
-            if gone and driver.task is not None:
-                driver.task.cancel()  # the caller went away: cancel, free the blocks
+            if not self.leaving:
+                for driver in drivers:
+                    if not driver.stream.finished and driver.task is not None:
+                        driver.task.cancel()  # the caller went away: cancel, free the blocks
+            if shared is not None:
+                shared.cancel()
+                if self.groups.get(rid) is shared:
+                    del self.groups[rid]
+
+    async def _create_records(self, specs: list[RequestSpec], tenant: str) -> None:
+        """One record per choice (one for a plain request). Should one fail, those written
+        before it are ended FAILED: no router ever runs a request its client was refused."""
+        made: list[RequestRecord] = []
+        for c in specs:
+            rec = RequestRecord(
+                c.request_id,
+                c.prompt_ids,
+                c.sampling,
+                c.priority,
+                tenant,
+                owner=self.id,
+                choices=len(specs),
+            )
+            try:
+                await self.records.create(rec)
+            except RouterError as e:
+                for m in made:
+                    ended = replace(m, state=RecordState.FAILED, status=e.status, error=e.message)
+                    self.records.write(
+                        f"{m.request_id} refused", lambda r=ended: self.store.end(r, [])
+                    )
+                raise
+            made.append(rec)
 
     def _check_pools(self) -> None:
         pools = [Pool.DECODE] if self.mode == "colocated" else [Pool.PREFILL, Pool.DECODE]
@@ -404,34 +443,61 @@ class Router:
         return any(p.pool is pool and p.target > 0 for p in self.directory.pool_status())
 
     async def cancel(self, request_id: str) -> bool:
+        """Cancel a request, every choice of it, wherever it runs."""
+        group = self.groups.get(request_id)
+        if group is not None:
+            group.cancel()
+            for d in group.drivers:
+                if d.task is not None:
+                    d.task.cancel()
+            return True
         d = self.drivers.get(request_id)
+        if d is not None and not d.watching:
+            if d.task is not None:
+                d.task.cancel()
+            return True
+        rec = await self.read_record(request_id)
+        if rec is None:
+            return False
+        found = False
+        for i in range(rec.choices):
+            cid = choice_id(request_id, i)
+            found |= await self._cancel_one(cid, rec if i == 0 else None)
+        return found
+
+    async def _cancel_one(self, rid: str, rec: RequestRecord | None) -> bool:
+        d = self.drivers.get(rid)
         if d is not None and not d.watching:
             if d.task is not None:
                 d.task.cancel()
             return True
         # Driven by another router (or adopted and watched): cancel where it runs; its
         # decode worker tells whoever follows it, and the record ends CANCELLED.
-        rec = await self.read_record(request_id)
+        rec = rec or await self.read_record(rid)
         if rec is None or rec.state.terminal:
             return False
-        await self.cancel_on([n for n in (rec.prefill, rec.decode) if n], request_id)
+        await self.cancel_on([n for n in (rec.prefill, rec.decode) if n], rid)
         ended = replace(rec, state=RecordState.CANCELLED, finish_reason="cancelled")
-        tokens = await self.read_tokens(request_id)
-        self.records.write(f"{request_id} cancel", lambda: self.store.end(ended, tokens))
+        tokens = await self.read_tokens(rid)
+        self.records.write(f"{rid} cancel", lambda: self.store.end(ended, tokens))
         return True
 
-    async def resume(self, request_id: str, offset: int) -> AsyncIterator[Chunk]:
-        """The request's tokens from `offset` on, then its end: from this router's own stream
-        if it drives the request, else from the store's log, followed until it ends."""
-        d = self.drivers.get(request_id)
+    async def resume(self, request_id: str, offset: int, index: int = 0) -> AsyncIterator[Chunk]:
+        """A request's tokens (choice `index`'s, for n > 1) from `offset` on, then its end:
+        from this router's own stream if it drives the request, else from the store's log,
+        followed until it ends."""
+        rid = choice_id(request_id, index)
+        d = self.drivers.get(rid)
         if d is not None and not d.watching:
-            async for c in from_stream(d.stream, offset, self.tokenizer, d.spec.sampling.stop):
+            stops = d.spec.sampling.stop
+            async for c in from_stream(d.stream, offset, self.tokenizer, stops, index):
                 yield c
             return
-        rec = await self.read_record(request_id)
+        rec = await self.read_record(rid)
         if rec is None:
-            raise RouterError(Status.NOT_FOUND, f"no request {request_id} (or it expired)")
-        async for c in tail_log(self, rec, offset):
+            which = f"request {request_id}" + (f" choice {index}" if index else "")
+            raise RouterError(Status.NOT_FOUND, f"no {which} (or it expired)")
+        async for c in tail_log(self, rec, offset, index):
             yield c
 
 

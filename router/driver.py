@@ -12,6 +12,12 @@ cause. The seed is fixed at admission and draws depend only on (seed, position),
 produces exactly the tokens the first attempt would have: the stream drops the overlap and
 goes on.
 
+A request with n > 1 choices runs one driver per choice, each under the choice's own id (see
+RequestSpec.choice), and their first attempt is one SharedStart: one reservation and one
+prefill of the prompt, one KV push, and the decode worker forks the choices on the shared
+blocks. Until the KV has landed the choices share one fate (one's failure fails them all);
+after that, and in every replay, each choice is a request of its own.
+
 An adopted request (its router died) is first watched: while its decode worker still runs it,
 its tokens land in the log and clients follow them there; if that worker is gone, it is
 replayed from the logged tokens.
@@ -29,7 +35,15 @@ from router.directory import WorkerRef
 from router.errors import RouterError
 from router.store import RecordState
 from router.stream import RequestStream
-from workers.messages import Pool, PrefillJob, RequestSpec, Status, TokenEvent, first_event
+from workers.messages import (
+    Pool,
+    PrefillJob,
+    PrefillResult,
+    RequestSpec,
+    Status,
+    TokenEvent,
+    first_event,
+)
 
 if TYPE_CHECKING:
     from router.core import Router
@@ -50,20 +64,37 @@ class WorkerLost:
     name: str
 
 
+@dataclass(frozen=True)
+class SiblingFailed:
+    """An n > 1 request's shared first attempt failed, seen by another of its choices."""
+
+    attempt: int
+    reason: str
+
+
 class RequestDriver:
-    def __init__(self, router: Router, spec: RequestSpec, stream: RequestStream) -> None:
+    def __init__(
+        self,
+        router: Router,
+        spec: RequestSpec,
+        stream: RequestStream | None,
+        shared: SharedStart | None = None,
+    ) -> None:
         self.router = router
         self.spec = spec  # attempt and output_ids are filled in per attempt
         self.stream = stream
+        self.shared = shared  # an n > 1 request's choice: its first attempt is shared
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.attempt = spec.attempt - 1  # attempts begun
         self.prefill: str | None = None
         self.decode: str | None = None
         self.failures: list[str] = []
         self.tenant = ""
+        self.choices = 1  # the request's n (its record says so for Cancel and Resume)
         self.replaying_since: float | None = None  # a failure was seen; no new token yet
         self.task: asyncio.Task | None = None
         self.watching = False  # adopted and not yet replayed: its tokens are in the log only
+        self.landed = False  # the attempt followed now has had an event from its decode worker
         self.abandoned = False  # this router is leaving: the request goes on without it
 
     @property
@@ -74,7 +105,7 @@ class RequestDriver:
         self.task = asyncio.get_running_loop().create_task(self.run(adopted))
         return self
 
-    def deliver(self, item: TokenEvent | WorkerLost) -> None:
+    def deliver(self, item: TokenEvent | WorkerLost | SiblingFailed) -> None:
         self.inbox.put_nowait(item)
 
     def abandon(self) -> None:
@@ -163,6 +194,9 @@ class RequestDriver:
             router_id=self.router.id,
         )
         self.prefill = self.decode = None
+        if self.shared is not None and attempt == self.shared.attempt:
+            await self.shared.begin()  # sets self.prefill and self.decode
+            return await self._follow(attempt, landed=self.router.mode == "colocated")
         if self.router.mode == "colocated":
             d = await self._submit_colocated(spec)
             self._begin(attempt, "", d.name)
@@ -171,7 +205,8 @@ class RequestDriver:
         p = await self._pick(Pool.PREFILL)
         self.prefill = p.name
         self._begin(attempt, p.name, d.name)
-        await self._prefill(p, PrefillJob(spec, d.endpoint))
+        r = await self._prefill(p, PrefillJob(spec, d.endpoint))
+        self._put(first_event(spec, r.first[0]))
         return await self._follow(attempt, landed=False)
 
     def _begin(self, attempt: int, prefill: str, decode: str) -> None:
@@ -248,7 +283,7 @@ class RequestDriver:
         candidates = await self._candidates(pool)
         return self.router.pick_prefill(candidates, self.spec)
 
-    async def _prefill(self, p: WorkerRef, job: PrefillJob) -> None:
+    async def _prefill(self, p: WorkerRef, job: PrefillJob) -> PrefillResult:
         cfg = self.router.config
         self.router.queue_prefill(p.name, job.spec.num_tokens)
         try:
@@ -261,12 +296,21 @@ class RequestDriver:
             raise AttemptFailed(
                 r.status, f"prefill on {p.name} failed: {r.error or r.status.value}"
             )
-        self._put(first_event(job.spec, r.token_id, r.logprob, r.top_logprobs))
+        return r
 
     async def _follow(self, attempt: int, landed: bool) -> TokenEvent:
         """This attempt's events until its last one. Before the KV has landed (no event from
         the decode worker yet), the prefill worker's death fails the attempt too."""
+        try:
+            return await self._events(attempt, landed)
+        except AttemptFailed as f:
+            if self.shared is not None and attempt == self.shared.attempt and not self.landed:
+                self.shared.failed(self, f.reason)
+            raise
+
+    async def _events(self, attempt: int, landed: bool) -> TokenEvent:
         stall = self.router.config.stall_timeout_s
+        self.landed = landed
         while True:
             try:
                 item = await asyncio.wait_for(self.inbox.get(), stall)
@@ -275,15 +319,19 @@ class RequestDriver:
                     Status.UNAVAILABLE, f"no tokens from {self.decode} for {stall:.0f} s"
                 ) from None
             if isinstance(item, WorkerLost):
-                if item.name == self.decode or (item.name == self.prefill and not landed):
-                    phase = "" if landed else " before the KV landed"
+                if item.name == self.decode or (item.name == self.prefill and not self.landed):
+                    phase = "" if self.landed else " before the KV landed"
                     raise AttemptFailed(Status.UNAVAILABLE, f"{item.name} died{phase}")
                 continue
             if item.attempt != attempt:
                 continue  # left over from an attempt that was given up
+            if isinstance(item, SiblingFailed):
+                if self.landed:
+                    continue
+                raise AttemptFailed(Status.UNAVAILABLE, item.reason)
             if item.status is not Status.OK:
                 raise AttemptFailed(item.status, item.error or item.status.value)
-            landed = True
+            self.landed = True
             self._put(item)
             if item.finished:
                 return item
@@ -344,8 +392,9 @@ class RequestDriver:
                 tokens = await router.read_tokens(self.request_id)
             except RouterError:
                 continue
+            stops, index = self.spec.sampling.stop, self.stream.index
             self.stream = RequestStream.open(
-                self.request_id, router.tokenizer, self.spec.sampling.stop, tokens
+                self.request_id, router.tokenizer, stops, tokens, index
             )
             self.attempt, self.failures = rec.attempt, list(rec.failures)
             self.prefill, self.decode = rec.prefill or None, rec.decode or None
@@ -374,3 +423,56 @@ class RequestDriver:
                 continue
         decode, prefill = phases.get(Pool.DECODE, ""), phases.get(Pool.PREFILL, "")
         return decode == "running" or (decode == "reserved" and prefill != "")
+
+
+class SharedStart:
+    """The first attempt of an n > 1 request, shared by its choices' drivers: a reservation
+    on one decode worker and a prefill on one prefill worker, under the request's own id; the
+    prefill draws every choice's first token and pushes the KV once; the decode worker forks
+    the choices. The placement runs once, in a task of its own, whichever driver asks first,
+    so that one choice's cancellation does not stop the others'."""
+
+    def __init__(self, router: Router, spec: RequestSpec) -> None:
+        self.spec = spec
+        self.attempt = spec.attempt
+        self.lead = RequestDriver(router, spec, None)  # places the request; follows nothing
+        self.drivers: list[RequestDriver] = []  # by choice index
+        self.task: asyncio.Task | None = None
+
+    async def begin(self) -> None:
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self._place())
+        await asyncio.shield(self.task)
+
+    def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    def failed(self, driver: RequestDriver, reason: str) -> None:
+        """One choice's attempt failed before the KV landed: so did every other's."""
+        for d in self.drivers:
+            if d is not driver:
+                d.deliver(SiblingFailed(self.attempt, reason))
+
+    async def _place(self) -> None:
+        lead, spec = self.lead, replace(self.spec, router_id=self.lead.router.id)
+        try:
+            if lead.router.mode == "colocated":
+                d = await lead._submit_colocated(spec)
+                self._began("", d.name)
+                return
+            d = await lead._reserve(spec)
+            p = await lead._pick(Pool.PREFILL)
+            lead.prefill = p.name
+            self._began(p.name, d.name)
+            r = await lead._prefill(p, PrefillJob(spec, d.endpoint))
+            for driver, first in zip(self.drivers, r.first):
+                driver._put(first_event(spec, first, driver.stream.index))
+        except BaseException:  # failed or cancelled: free what the request holds
+            await lead._clean_up()
+            raise
+
+    def _began(self, prefill: str, decode: str) -> None:
+        for d in self.drivers:
+            d.prefill, d.decode = prefill or None, decode
+            d._begin(self.attempt, prefill, decode)

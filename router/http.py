@@ -35,7 +35,7 @@ from router.api import tandem_pb2 as pb
 from router.core import Router
 from router.errors import RouterError
 from router.stream import Chunk
-from router.validation import InvalidRequest, validate
+from router.validation import Admission, InvalidRequest, validate
 from workers.messages import Status
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ class OpenAIFront:
             adm = validate(msg, self.tokenizer, self.max_model_len, self.vocab_size)
         except (InvalidRequest, ValueError) as e:
             raise HttpError(400, str(e)) from None
-        reply = Reply(self, adm.request_id, chat, body, len(ids))
+        reply = Reply(self, adm, chat, body, len(ids))
         chunks = self._chunks(adm, body.get("deadline_s"))
         try:
             if body.get("stream"):
@@ -298,37 +298,98 @@ class OpenAIFront:
 
 
 class Reply:
-    """One request's answer in OpenAI's shapes: a whole response, or stream events."""
+    """One request's answer in OpenAI's shapes: a whole response, or stream events; with
+    n > 1, one choice per completion, by index."""
 
     def __init__(
-        self, front: OpenAIFront, request_id: str, chat: bool, body: dict, prompt_tokens: int
+        self, front: OpenAIFront, adm: Admission, chat: bool, body: dict, prompt_tokens: int
     ):
         self.front, self.chat = front, chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.id = ("chatcmpl-" if chat else "cmpl-") + adm.request_id
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
+        # Chat: logprobs is a flag; completions: the number of alternatives (0 included).
+        logprobs = body.get("logprobs")
+        want_logprobs = bool(logprobs) if chat else logprobs is not None
+        options = body.get("stream_options") or {}
+        self.include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
+        self.choices = [
+            _Choice(i, chat, want_logprobs, front.tokenizer) for i in range(adm.sampling.n)
+        ]
+
+    @property
+    def usage(self) -> dict:
+        completion = sum(c.completion_tokens for c in self.choices)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        }
+
+    def add(self, chunk: Chunk) -> dict | None:
+        return self.choices[chunk.index].add(chunk)
+
+    def _head(self, chunked: bool) -> dict:
+        kind = "chat.completion" if self.chat else "text_completion"
+        if self.chat and chunked:
+            kind += ".chunk"
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.front.model_name,
+        }
+
+    def whole(self) -> dict:
+        choices = [c.whole() for c in self.choices]
+        return {**self._head(False), "choices": choices, "usage": self.usage}
+
+    def opening(self) -> list[dict]:
+        """Chat streams open with the assistant's role (per choice), as OpenAI's do."""
+        if not self.chat:
+            return []
+        delta = {"role": "assistant", "content": ""}
+        return [
+            self._event({"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None})
+            for c in self.choices
+        ]
+
+    def delta(self, chunk: Chunk) -> dict:
+        logprobs = self.add(chunk)
+        reason = chunk.finish_reason if chunk.finished else None
+        i = chunk.index
+        if self.chat:
+            delta = {"content": chunk.text} if chunk.text or not chunk.finished else {}
+            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        else:
+            choice = {"index": i, "text": chunk.text, "logprobs": logprobs, "finish_reason": reason}
+        return self._event(choice)
+
+    def usage_event(self) -> dict:
+        return {**self._head(True), "choices": [], "usage": self.usage}
+
+    def _event(self, choice: dict) -> dict:
+        event = {**self._head(True), "choices": [choice]}
+        if self.include_usage:
+            event["usage"] = None
+        return event
+
+
+class _Choice:
+    """One completion's text, end and logprobs, as its chunks arrive."""
+
+    def __init__(self, index: int, chat: bool, want_logprobs: bool, tokenizer) -> None:
+        self.index, self.chat, self.want_logprobs = index, chat, want_logprobs
+        self.tokenizer = tokenizer
         self.completion_tokens = 0
         self.text = ""
         self.finish_reason = None
-        # Chat: logprobs is a flag; completions: the number of alternatives (0 included).
-        logprobs = body.get("logprobs")
-        self.want_logprobs = bool(logprobs) if chat else logprobs is not None
-        options = body.get("stream_options") or {}
-        self.include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
         self.content: list[dict] = []  # chat logprobs, per token
         self.tokens: list[str] = []  # completions logprobs
         self.token_logprobs: list[float] = []
         self.top: list[dict | None] = []
         self.offsets: list[int] = []
         self._offset = 0
-
-    @property
-    def usage(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
 
     def add(self, chunk: Chunk) -> dict | None:
         """Take a chunk in; returns the logprobs of its tokens (None without logprobs)."""
@@ -338,7 +399,7 @@ class Reply:
             self.finish_reason = chunk.finish_reason
         if not self.want_logprobs or not chunk.token_ids:
             return None
-        tok = self.front.tokenizer
+        tok = self.tokenizer
         tops = chunk.top_logprobs or ((),) * len(chunk.token_ids)
         if self.chat:
             entries = [
@@ -364,68 +425,28 @@ class Reply:
         self.offsets += part["text_offset"]
         return part
 
-    def _head(self, chunked: bool) -> dict:
-        kind = "chat.completion" if self.chat else "text_completion"
-        if self.chat and chunked:
-            kind += ".chunk"
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.front.model_name,
-        }
-
     def whole(self) -> dict:
         if self.chat:
-            logprobs = {"content": self.content} if self.want_logprobs else None
-            choice = {
-                "index": 0,
+            return {
+                "index": self.index,
                 "message": {"role": "assistant", "content": self.text},
-                "logprobs": logprobs,
+                "logprobs": {"content": self.content} if self.want_logprobs else None,
                 "finish_reason": self.finish_reason,
             }
-        else:
-            logprobs = None
-            if self.want_logprobs:
-                logprobs = {
-                    "tokens": self.tokens,
-                    "token_logprobs": self.token_logprobs,
-                    "top_logprobs": self.top,
-                    "text_offset": self.offsets,
-                }
-            choice = {
-                "index": 0,
-                "text": self.text,
-                "logprobs": logprobs,
-                "finish_reason": self.finish_reason,
+        logprobs = None
+        if self.want_logprobs:
+            logprobs = {
+                "tokens": self.tokens,
+                "token_logprobs": self.token_logprobs,
+                "top_logprobs": self.top,
+                "text_offset": self.offsets,
             }
-        return {**self._head(False), "choices": [choice], "usage": self.usage}
-
-    def opening(self) -> list[dict]:
-        """Chat streams open with the assistant's role, as OpenAI's do."""
-        if not self.chat:
-            return []
-        delta = {"role": "assistant", "content": ""}
-        return [self._event({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})]
-
-    def delta(self, chunk: Chunk) -> dict:
-        logprobs = self.add(chunk)
-        reason = chunk.finish_reason if chunk.finished else None
-        if self.chat:
-            delta = {"content": chunk.text} if chunk.text or not chunk.finished else {}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": chunk.text, "logprobs": logprobs, "finish_reason": reason}
-        return self._event(choice)
-
-    def usage_event(self) -> dict:
-        return {**self._head(True), "choices": [], "usage": self.usage}
-
-    def _event(self, choice: dict) -> dict:
-        event = {**self._head(True), "choices": [choice]}
-        if self.include_usage:
-            event["usage"] = None
-        return event
+        return {
+            "index": self.index,
+            "text": self.text,
+            "logprobs": logprobs,
+            "finish_reason": self.finish_reason,
+        }
 
 
 def _token_entry(text: str, logprob: float) -> dict:

@@ -41,7 +41,7 @@ class _Text:
 
 
 async def from_stream(
-    stream: RequestStream, offset: int, tokenizer, stops: tuple[str, ...]
+    stream: RequestStream, offset: int, tokenizer, stops: tuple[str, ...], index: int = 0
 ) -> AsyncIterator[Chunk]:
     text: _Text | None = None
     async for c in stream.follow():
@@ -61,11 +61,14 @@ async def from_stream(
             c.finish_reason,
             c.status,
             c.error,
+            index=index,
         )
         offset = max(offset, end)
 
 
-async def tail_log(router: Router, rec: RequestRecord, offset: int) -> AsyncIterator[Chunk]:
+async def tail_log(
+    router: Router, rec: RequestRecord, offset: int, index: int = 0
+) -> AsyncIterator[Chunk]:
     rid, stops = rec.request_id, rec.sampling.stop
     text: _Text | None = None
     cursor, last_progress = offset, time.monotonic()
@@ -93,6 +96,7 @@ async def tail_log(router: Router, rec: RequestRecord, offset: int) -> AsyncIter
                 (rec.finish_reason or None) if done else None,
                 rec.status if done else Status.OK,
                 rec.error if done else "",
+                index=index,
             )
             cursor += len(tokens)
             last_progress = time.monotonic()

@@ -126,12 +126,14 @@ class GenerationService(pb_grpc.GenerationServicer):
                 adm = validate(request, self.router.tokenizer, self.max_model_len, self.vocab_size)
             except (InvalidRequest, ValueError) as e:
                 raise RouterError(Status.INVALID_ARGUMENT, str(e)) from None
-            completion = 0
+            completion = [0] * adm.sampling.n  # per choice
             async for chunk in self.router.generate(adm):
                 if (err := _failed(chunk)) is not None:
-                    raise err
-                completion += len(chunk.token_ids)
-                yield convert.response(adm.request_id, chunk, len(adm.prompt_ids), completion)
+                    raise err  # one choice failing for good fails the call; the rest cancel
+                completion[chunk.index] += len(chunk.token_ids)
+                yield convert.response(
+                    adm.request_id, chunk, len(adm.prompt_ids), completion[chunk.index]
+                )
         except RouterError as e:
             await _abort(context, e)
 
@@ -149,7 +151,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             _check_auth(context, self.auth_token)
             _reject_malformed(request)
             rid, total = request.request_id, request.offset
-            async for chunk in self.router.resume(rid, request.offset):
+            async for chunk in self.router.resume(rid, request.offset, request.index):
                 if (err := _failed(chunk)) is not None:
                     raise err
                 total += len(chunk.token_ids)

@@ -45,6 +45,9 @@ class RequestRecord:
     status: Status = Status.OK  # how a FAILED request failed
     error: str = ""
     failures: tuple[str, ...] = ()  # why each failed attempt failed, in order
+    # n > 1: how many choices the request has. Each has a record of its own, under
+    # `choice_id(request_id, index)`, with its own seed and n = 1.
+    choices: int = 1
 
 
 class BeginResult(str, enum.Enum):

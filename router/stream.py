@@ -28,12 +28,14 @@ class Chunk:
     status: Status = Status.OK  # not OK: the request failed (the gRPC call ends with it)
     error: str = ""
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()  # per token, best first
+    index: int = 0  # which of the request's n choices
 
 
 @dataclass
 class RequestStream:
     request_id: str
     text: TextStream
+    index: int = 0  # the choice this stream carries (n > 1), on each of its chunks
     tokens: list[int] = field(default_factory=list)  # sent, in order
     chunks: list[Chunk] = field(default_factory=list)
     finished: bool = False
@@ -41,9 +43,11 @@ class RequestStream:
     _waiter: asyncio.Future | None = None
 
     @classmethod
-    def open(cls, request_id: str, tokenizer, stops=(), prior: list[int] = ()) -> RequestStream:
+    def open(
+        cls, request_id: str, tokenizer, stops=(), prior: list[int] = (), index: int = 0
+    ) -> RequestStream:
         """`prior`: tokens its client already has (a replay adopted from another router)."""
-        s = cls(request_id, TextStream(tokenizer, tuple(stops)))
+        s = cls(request_id, TextStream(tokenizer, tuple(stops)), index)
         if prior:
             s.text.push(list(prior), None, False)
             s.tokens = list(prior)
@@ -84,6 +88,7 @@ class RequestStream:
                     e.finished,
                     reason,
                     top_logprobs=e.top_logprobs or (),
+                    index=self.index,
                 )
             )
             if e.finished:
@@ -98,7 +103,8 @@ class RequestStream:
             return
         self.finished = True
         tail = self.text.push([], None, True)
-        self._emit(Chunk(self.next_offset, (), tail, (), True, finish_reason, status, error))
+        end = Chunk(self.next_offset, (), tail, (), True, finish_reason, status, error)
+        self._emit(dataclasses.replace(end, index=self.index))
 
     def _emit(self, chunk: Chunk) -> None:
         self.chunks.append(chunk)
@@ -118,3 +124,28 @@ class RequestStream:
             if self._waiter is None:
                 self._waiter = asyncio.get_running_loop().create_future()
             await asyncio.shield(self._waiter)
+
+
+async def follow_all(streams: list[RequestStream]) -> AsyncIterator[Chunk]:
+    """The chunks of several streams (an n > 1 request's choices) as each comes, until every
+    stream has ended; each chunk carries its stream's index."""
+    if len(streams) == 1:
+        async for c in streams[0].follow():
+            yield c
+        return
+    merged: asyncio.Queue[Chunk] = asyncio.Queue()
+
+    async def pump(s: RequestStream) -> None:
+        async for c in s.follow():
+            merged.put_nowait(c)
+
+    pumps = [asyncio.get_running_loop().create_task(pump(s)) for s in streams]
+    try:
+        left = len(streams)
+        while left:
+            c = await merged.get()
+            left -= c.finished
+            yield c
+    finally:
+        for t in pumps:
+            t.cancel()

@@ -91,13 +91,8 @@ def validate(msg: pb.GenerateRequest, tokenizer, max_model_len: int, vocab_size:
         raise InvalidRequest(
             f"sampling.logit_bias: token {bad_bias[0]} is outside the vocabulary [0, {vocab_size})"
         )
-    if s.n > 1:
-        raise InvalidRequest(
-            f"sampling.n={s.n}: a cluster serves one completion per request; send n "
-            "requests with seeds seed, seed + 1, ... (what n > 1 draws in the offline engine)"
-        )
     if s.n < 0:
-        raise InvalidRequest(f"sampling.n={s.n}: must be 1 (or unset)")
+        raise InvalidRequest(f"sampling.n={s.n}: give the number of completions, 1 or more")
     # A seed is always fixed here and recorded: a replay then draws exactly the tokens the
     # first attempt would have, whether or not the client chose the seed.
     seed = s.seed if s.HasField("seed") else random.getrandbits(63)
@@ -119,6 +114,7 @@ def validate(msg: pb.GenerateRequest, tokenizer, max_model_len: int, vocab_size:
             repetition_penalty=real("repetition_penalty", 1.0),
             logit_bias={t: decimal_of_float32(b) for t, b in s.logit_bias.items()},
             min_tokens=s.min_tokens,
+            n=max(s.n, 1),
         )
     except ValueError as e:  # SamplingParams names the field and the rule
         raise InvalidRequest(f"sampling.{e}") from None

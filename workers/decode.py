@@ -13,6 +13,10 @@ step's tokens to the router that follows the request (`poll`) and to the token l
 transfer frees the reservation and ends the attempt with UNAVAILABLE, which the router replays.
 In colocated mode `submit(spec)` runs both phases here.
 
+A request with n > 1 choices is reserved and received once, under its own id; once admitted,
+its choices share the prompt's blocks and each is held, followed and cancelled under its own
+id (`choice_id`), as a request of its own.
+
 Requests are keyed by id and attempt: a call for an older attempt than the one held is refused,
 and a newer attempt replaces what an older one left here.
 """
@@ -29,7 +33,8 @@ from kv_transfer.layout import KVLayout, LayoutMismatch
 from kv_transfer.protocol import TransferError
 from kv_transfer.torch_dist import PairGroup, store_server
 from workers.engine.engine import RequestOutput
-from workers.engine.request import FinishReason
+from workers.engine.request import FinishReason, choice_id
+from workers.engine.scheduler_output import SampledToken
 from workers.messages import (
     DecodeEndpoint,
     KVAdmission,
@@ -218,25 +223,36 @@ class DecodeWorker(WorkerBase):
         held = self._held.get(rid)
         if held is None or held.attempt != spec.attempt or held.reserved_until is None:
             return  # cancelled or superseded while the KV was in flight
+        first = admission.first
+        if len(first) != spec.choices or first[0].token_id != token:
+            self._fail(rid, spec.attempt, f"{rid}: the admission disagrees with the KV header")
+            return
         outputs = [*spec.output_ids, token]
-        held.reserved_until, held.offset = None, len(outputs)
-        self.relay.begin(rid, spec.attempt, spec.router_id, list(spec.output_ids))
-        first = first_event(spec, token, admission.first_logprob, admission.first_top_logprobs)
-        out = self.engine.add_prefilled(
+        ids = [choice_id(rid, i) for i in range(spec.choices)]
+        ended = self.engine.add_prefilled(
             rid,
             list(spec.prompt_ids),
             outputs,
             spec.sampling,
             spec.sampling.seed,
             spec.priority,
-            admission.first_logprob,
-            admission.first_top_logprobs,
+            first[0].logprob,
+            first[0].top_logprobs,
+            siblings=tuple(
+                SampledToken(ids[i], f.token_id, f.logprob, f.top_logprobs)
+                for i, f in enumerate(first[1:], start=1)
+            ),
         )
-        if out is None:
-            self.relay.emit([first])
-        else:  # the first token already ends it
-            self._held.pop(rid, None)
-            self.relay.emit([first, self._event(out, spec.attempt, held.offset)])
+        # From here each choice is followed, and logged, under its own id.
+        events = []
+        for i, cid in enumerate(ids):
+            self._held[cid] = _Held(spec.attempt, offset=len(outputs))
+            self.relay.begin(cid, spec.attempt, spec.router_id, list(spec.output_ids))
+            events.append(first_event(spec, first[i], i))
+        for out in ended:  # a first token that already ends its choice
+            cid = ids[out.index]
+            events.append(self._event(out, cid, spec.attempt, self._held.pop(cid).offset))
+        self.relay.emit(events)
 
     def _fail(self, rid: str, attempt: int, message: str) -> None:
         held = self._held.get(rid)
@@ -249,9 +265,10 @@ class DecodeWorker(WorkerBase):
         self._drop(rid)
 
     def _drop(self, rid: str) -> None:
-        """Forget a request here at once: reservation or running, its blocks are free."""
+        """Forget a request (or one choice of it) here at once: reservation or running, its
+        blocks are free."""
         self._held.pop(rid, None)
-        self.engine.abort(rid)
+        self.engine.abort(rid, choices=False)
         self.relay.end(rid)
 
     def _fenced(self, rid: str) -> None:
@@ -279,20 +296,21 @@ class DecodeWorker(WorkerBase):
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         events = []
         for o in outputs:
-            held = self._held.get(o.request_id)
+            cid = choice_id(o.request_id, o.index)
+            held = self._held.get(cid)
             if held is None:
                 continue
-            events.append(self._event(o, held.attempt, held.offset))
+            events.append(self._event(o, cid, held.attempt, held.offset))
             held.offset += len(o.new_token_ids)
             if o.finished:
-                del self._held[o.request_id]
+                del self._held[cid]
         if events:
             self.relay.emit(events)
 
     @staticmethod
-    def _event(o: RequestOutput, attempt: int, offset: int) -> TokenEvent:
+    def _event(o: RequestOutput, cid: str, attempt: int, offset: int) -> TokenEvent:
         return TokenEvent(
-            o.request_id,
+            cid,
             attempt,
             offset,
             tuple(o.new_token_ids),
@@ -324,8 +342,10 @@ class DecodeWorker(WorkerBase):
             spec.priority,
             output_ids=spec.output_ids,
         )
-        self._held[rid] = _Held(spec.attempt, offset=len(spec.output_ids))
-        self.relay.begin(rid, spec.attempt, spec.router_id, list(spec.output_ids))
+        for i in range(spec.choices):  # n > 1: the engine forks them once the prompt is in
+            cid = choice_id(rid, i)
+            self._held[cid] = _Held(spec.attempt, offset=len(spec.output_ids))
+            self.relay.begin(cid, spec.attempt, spec.router_id, list(spec.output_ids))
         return True
 
     def cancel(self, request_id: str) -> bool:

@@ -14,6 +14,11 @@ A request's life in these types:
 
 `attempt` numbers a request's tries (1 for the first, +1 for each replay). Every message of
 an attempt carries it, so whatever a superseded attempt still sends is told apart and dropped.
+
+A request with n > 1 choices is prefilled, and its KV pushed, once: the PrefillResult and the
+KVAdmission carry every choice's first token, and the decode worker forks the choices onto the
+shared blocks. From there each choice is a request of its own (`RequestSpec.choice`): its
+TokenEvents, token log and replays are under its own id, `choice_id(request_id, index)`.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from workers.engine.request import FinishReason, SamplingParams
+from workers.engine.request import FinishReason, SamplingParams, choice_id, choice_seed
 
 
 class Status(enum.Enum):
@@ -125,6 +130,21 @@ class RequestSpec:
         """Tokens whose KV a prefill computes: the prompt and what was already sent."""
         return len(self.prompt_ids) + len(self.output_ids)
 
+    @property
+    def choices(self) -> int:
+        return self.sampling.n
+
+    def choice(self, index: int) -> RequestSpec:
+        """Choice `index` of an n > 1 request as a request of its own: id
+        `choice_id(request_id, index)`, seed `choice_seed(seed, index)`, n = 1. Past the
+        shared first attempt, each choice is routed, logged and replayed as this."""
+        sp = self.sampling
+        return dataclasses.replace(
+            self,
+            request_id=choice_id(self.request_id, index),
+            sampling=dataclasses.replace(sp, seed=choice_seed(sp.seed, index), n=1),
+        )
+
 
 @dataclass(frozen=True)
 class PrefillJob:
@@ -133,17 +153,24 @@ class PrefillJob:
 
 
 @dataclass(frozen=True)
+class FirstToken:
+    """A token a prefill sampled after `spec.output_ids`, with its logprobs when asked for."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+@dataclass(frozen=True)
 class PrefillResult:
-    """The first token sampled after `spec.output_ids` (output index len(output_ids)), or why
-    there is none."""
+    """The first token sampled after `spec.output_ids` (output index len(output_ids)) for each
+    of the request's choices (one unless n > 1), or why there is none."""
 
     request_id: str
     attempt: int
     status: Status = Status.OK
-    token_id: int | None = None
-    logprob: float | None = None
+    first: tuple[FirstToken, ...] = ()
     error: str = ""
-    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
     @property
     def ok(self) -> bool:
@@ -162,11 +189,11 @@ class Reservation:
 @dataclass(frozen=True)
 class KVAdmission:
     """Sent by the prefill worker with the KV: what the decode worker needs to admit the
-    request. The first new token travels in the transfer's header."""
+    request, with each choice's first token (choice 0's also travels in the transfer's
+    header, and the two must agree)."""
 
     spec: RequestSpec
-    first_logprob: float | None = None
-    first_top_logprobs: tuple[tuple[int, float], ...] | None = None
+    first: tuple[FirstToken, ...]
 
 
 @dataclass(frozen=True)
@@ -200,22 +227,19 @@ class TokenEvent:
         return self.finish_reason is not None or self.status is not Status.OK
 
 
-def first_event(
-    spec: RequestSpec,
-    token: int,
-    logprob: float | None,
-    top_logprobs: tuple[tuple[int, float], ...] | None,
-) -> TokenEvent:
-    """The event of the token a prefill sampled after `spec.output_ids`: sent by the router
-    as soon as the prefill returns, and again by the decode worker that admits it."""
+def first_event(spec: RequestSpec, first: FirstToken, index: int = 0) -> TokenEvent:
+    """The event of the token a prefill sampled after `spec.output_ids` for choice `index`
+    (under that choice's id): sent by the router as soon as the prefill returns, and again
+    by the decode worker that admits it."""
     sp = spec.sampling
+    lp, top = first.logprob, first.top_logprobs
     return TokenEvent(
-        spec.request_id,
+        choice_id(spec.request_id, index),
         spec.attempt,
         len(spec.output_ids),
-        (token,),
-        (logprob,) if sp.logprobs and logprob is not None else None,
-        top_logprobs=(top_logprobs,) if sp.top_logprobs and top_logprobs is not None else None,
+        (first.token_id,),
+        (lp,) if sp.logprobs and lp is not None else None,
+        top_logprobs=(top,) if sp.top_logprobs and top is not None else None,
     )
 
 

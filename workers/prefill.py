@@ -5,7 +5,8 @@ A request passes through:
    requests; the call returns a PrefillResult as soon as the first token is sampled (TTFT).
    A replay's job carries the tokens already sent: they are computed with the prompt (most
    of which is usually still in this worker's prefix cache) and the token after them is
-   sampled at its own position.
+   sampled at its own position. An n > 1 request is prefilled once; each choice draws its
+   first token from the same logits with its own seed.
 2. the KV stays held in the engine (keep_kv) and is queued, as a Push, on the KVSender for
    the job's decode worker;
 3. the sender pushes it (see workers/kv_sender.py) and gives the blocks back; they remain as
@@ -30,6 +31,7 @@ from workers.engine.request import FinishReason
 from workers.kv_sender import KVSender, Push
 from workers.messages import (
     DecodeEndpoint,
+    FirstToken,
     KVAdmission,
     Pool,
     PrefillJob,
@@ -158,11 +160,16 @@ class PrefillWorker(WorkerBase):
 
     # -- on the loop thread ---------------------------------------------------------------
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        # An n > 1 request's choices draw their first tokens, and end, in the same step.
+        ended: dict[str, list[RequestOutput]] = {}
         for o in outputs:
             if o.finished:
-                self._finished(o)
+                ended.setdefault(o.request_id, []).append(o)
+        for outs in ended.values():
+            self._finished(sorted(outs, key=lambda o: o.index))
 
-    def _finished(self, o: RequestOutput) -> None:
+    def _finished(self, outs: list[RequestOutput]) -> None:
+        o = outs[0]  # choice 0: it holds the KV
         with self._lock:
             entry = self._jobs.get(o.request_id)
         if entry is None or entry.result.done():  # cancelled or superseded meanwhile
@@ -170,33 +177,37 @@ class PrefillWorker(WorkerBase):
                 self.engine.release_kv(o.kv_blocks)
             return
         spec = entry.job.spec
-        if o.kv_blocks is None or not o.new_token_ids:
+        drawn = [c for c in outs if c.new_token_ids]
+        if o.kv_blocks is None or len(drawn) != spec.choices:
+            if o.kv_blocks:
+                self.engine.release_kv(o.kv_blocks)
+            error = next((c.error for c in outs if c.error), "")
             status = (
                 Status.CANCELLED
                 if o.finish_reason is FinishReason.CANCELLED
                 else Status.RESOURCE_EXHAUSTED
-                if o.error and "KV blocks" in o.error
+                if "KV blocks" in error
                 else Status.INTERNAL
             )
-            entry.result.set_result(
-                PrefillResult(spec.request_id, spec.attempt, status, error=o.error or "")
-            )
+            failed = PrefillResult(spec.request_id, spec.attempt, status, error=error)
+            entry.result.set_result(failed)
             return
-        token = o.new_token_ids[0]
-        logprob = o.new_logprobs[0] if o.new_logprobs else None
-        top = o.new_top_logprobs[0] if o.new_top_logprobs else None
-        desc = TransferDescriptor(
-            spec.request_id, self.layout, len(o.kv_blocks), spec.num_tokens, token
+        first = tuple(
+            FirstToken(
+                c.new_token_ids[0],
+                c.new_logprobs[0] if c.new_logprobs else None,
+                c.new_top_logprobs[0] if c.new_top_logprobs else None,
+            )
+            for c in drawn
         )
-        push = Push(KVAdmission(spec, logprob, top), list(o.kv_blocks), desc)
+        desc = TransferDescriptor(
+            spec.request_id, self.layout, len(o.kv_blocks), spec.num_tokens, first[0].token_id
+        )
+        push = Push(KVAdmission(spec, first), list(o.kv_blocks), desc)
         with self._lock:
             self._pushes[spec.request_id] = (push, Future())
         self._sender(entry.job.decode).submit(push)
-        entry.result.set_result(
-            PrefillResult(
-                spec.request_id, spec.attempt, Status.OK, token, logprob, top_logprobs=top
-            )
-        )
+        entry.result.set_result(PrefillResult(spec.request_id, spec.attempt, Status.OK, first))
 
     def _sender(self, target: DecodeEndpoint) -> KVSender:
         s = self._senders.get(target.name)

@@ -55,7 +55,8 @@ class GenerationServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Streams token ids and text deltas as they are produced, then one final message.
+        """Streams token ids and text deltas as they are produced, then one final message (per
+        choice: with n > 1 the choices interleave, and the call ends when all have ended).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -264,3 +264,133 @@ def test_generate_cli_against_the_cluster(cluster, tmp_path, reference):
     assert [x["index"] for x in lines] == [0, 1, 2]
     assert [x["token_ids"] for x in lines] == reference[:3]
     assert all(0 < x["ttft_s"] <= x["e2e_s"] < time.monotonic() - t0 for x in lines)
+
+
+# -- n > 1: the prompt prefilled and pushed once, the choices forked on the decode worker ----
+N_SAMPLING = dict(max_tokens=20, temperature=0.9, top_p=0.95, seed=42, logprobs=True)
+
+
+@pytest.fixture(scope="module")
+def lone_choices():
+    """Choice i of the n = 4 request, as a lone offline request seeded 42 + i."""
+    from workers.engine.request import SamplingParams, choice_seed
+    from workers.offline import LLM, GenerationRequest
+
+    llm = LLM(dtype="float32", num_kv_blocks=512)
+    seeded = [SamplingParams(**{**N_SAMPLING, "seed": choice_seed(42, i)}) for i in range(4)]
+    return llm.generate([GenerationRequest(prompt=CHATS[1], sampling=sp) for sp in seeded])
+
+
+def test_n_choices_share_one_prefill_and_push_and_equal_lone_requests(cluster, lone_choices):
+    from router.client import to_proto
+    from router.store import RecordState
+    from workers.engine.request import SamplingParams, choice_id
+    from workers.messages import Pool
+    from workers.offline import GenerationRequest
+
+    req = GenerationRequest(prompt=CHATS[1], sampling=SamplingParams(**N_SAMPLING, n=4))
+    seen = []
+    results = cluster.run(
+        cluster.client.generate_choices(
+            to_proto(req, "n4"), timeout_s=120, on_chunk=lambda m: seen.append(m)
+        )
+    )
+    assert [r.index for r in results] == [0, 1, 2, 3]
+    for r, want in zip(results, lone_choices):
+        assert r.status == "OK" and r.finish_reason == want.finish_reason, r.error
+        assert r.token_ids == want.token_ids
+        assert r.text == want.text
+        assert r.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+    assert len({tuple(r.token_ids) for r in results}) > 1  # four draws, not one four times
+    # Every response names the request itself; each choice ends with a final of its own,
+    # whose usage counts that choice's tokens.
+    assert {m.request_id for m in seen} == {"n4"}
+    finals = {m.index: m.final for m in seen if m.HasField("final")}
+    assert sorted(finals) == [0, 1, 2, 3]
+    assert all(finals[r.index].usage.completion_tokens == len(r.token_ids) for r in results)
+    # One KV push, under the request's own id; none for any other choice.
+    prefill = cluster.cluster.router.directory.members(Pool.PREFILL)[0]
+
+    async def pushed(rid):
+        return await prefill.handle.push_result.remote(rid, 5.0)
+
+    assert cluster.run(pushed("n4")).ok
+    assert all(cluster.run(pushed(choice_id("n4", i))).error == "no such push" for i in (1, 2, 3))
+    # Each choice is a request of its own in the store: its record, its tokens.
+    for r in results:
+        cid = choice_id("n4", r.index)
+        rec = cluster.run(cluster.store.get(cid))
+        assert rec.state is RecordState.FINISHED and rec.choices == 4 and rec.attempt == 1
+        assert rec.sampling.n == 1 and rec.sampling.seed == 42 + r.index
+        assert cluster.run(cluster.store.tokens(cid)) == r.token_ids
+    s = cluster.wait_all_free()
+    for w in s["prefill"] + s["decode"]:
+        assert w["kv_blocks_free"] == w["kv_blocks_total"], w  # G3
+
+
+def test_resume_takes_one_choice_from_its_own_offset(cluster, lone_choices):
+    async def resume(index):
+        msg = pb.ResumeRequest(request_id="n4", offset=5, index=index)
+        return [m async for m in cluster.client.gen.Resume(msg)]
+
+    for i in (0, 2):
+        msgs = cluster.run(resume(i))
+        assert all(m.index == i for m in msgs)
+        assert [t for m in msgs for t in m.token_ids] == lone_choices[i].token_ids[5:]
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        cluster.run(resume(4))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "choice 4" in e.value.details()
+
+
+def test_cancel_ends_every_choice_and_frees_every_block(cluster):
+    from router.store import RecordState
+    from workers.engine.request import choice_id
+
+    async def go():
+        msg = pb.GenerateRequest(
+            request_id="n3-cancel",
+            prompt="Write a very long essay about the ocean.",
+            sampling=pb.SamplingParams(
+                max_tokens=400, temperature=1.0, seed=7, ignore_eos=True, n=3
+            ),
+        )
+        got, finals, cancelled = [0] * 3, {}, False
+        async for m in cluster.client.gen.Generate(msg):
+            got[m.index] += len(m.token_ids)
+            if min(got) >= 3 and not cancelled:
+                cancelled = await cluster.client.cancel("n3-cancel")
+            if m.HasField("final"):
+                finals[m.index] = m.final.finish_reason
+        return got, finals
+
+    got, finals = cluster.run(go())
+    assert finals == {0: "cancelled", 1: "cancelled", 2: "cancelled"} and max(got) < 400
+    s = cluster.wait_all_free()
+    for w in s["prefill"] + s["decode"]:
+        assert w["kv_blocks_free"] == w["kv_blocks_total"], w
+    for i in range(3):
+        rec = cluster.run(cluster.store.get(choice_id("n3-cancel", i)))
+        assert rec.state is RecordState.CANCELLED
+
+
+def test_generate_cli_prints_each_choice_apart(cluster, lone_choices, tmp_path):
+    cli = [sys.executable, "-m", "cluster.cli", "generate", "--address", cluster.address]
+    f = tmp_path / "n.jsonl"
+    f.write_text(json.dumps({"prompt": CHATS[1], "n": 4, **N_SAMPLING}) + "\n")
+    proc = subprocess.run(
+        [*cli, "--json", "--requests", str(f)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert [(x["index"], x["choice"]) for x in lines] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    assert [x["token_ids"] for x in lines] == [c.token_ids for c in lone_choices]
+    # A prompt with --n: each choice under a header of its own, in order.
+    proc = subprocess.run(
+        [*cli, CHATS[1], "--n", "2", "--temperature", "0.9", "--max-tokens", "8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.index("=== request 0, choice 0 ===") < out.index("=== request 0, choice 1 ===")

@@ -2,11 +2,14 @@
 prompt's KV, a second engine imports it layer by layer and decodes, and a request restarted
 from the tokens it already produced continues exactly as if it had never stopped."""
 
+from dataclasses import replace
+
 import pytest
 
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
-from workers.engine.request import SamplingParams
+from workers.engine.request import SamplingParams, choice_id, choice_seed
+from workers.engine.scheduler_output import SampledToken
 
 PROMPT = [1, 504, 3575, 282, 4649, 314, 28, 19556, 42, 7]
 
@@ -50,13 +53,17 @@ def test_a_replay_from_emitted_tokens_continues_token_for_token(engines, sp):
 
 
 def handoff(prefill, decode, sp, prior=()):
-    """What a prefill worker and a decode worker do, in one process."""
+    """What a prefill worker and a decode worker do, in one process: the outputs of each
+    choice (one unless sp.n > 1), by index."""
     rid = prefill.add_request(PROMPT, sp, output_ids=prior, stop_after=len(prior) + 1, keep_kv=True)
     outs = []
     while prefill.has_unfinished():
         outs += prefill.step()
-    (last,) = outs
-    assert last.request_id == rid and last.finished and len(last.new_token_ids) == 1
+    outs.sort(key=lambda o: o.index)
+    assert [o.index for o in outs] == list(range(sp.n))
+    assert all(o.request_id == rid and o.finished and len(o.new_token_ids) == 1 for o in outs)
+    last = outs[0]  # choice 0 holds the prompt's KV; the others only drew a first token
+    assert all(o.kv_blocks is None for o in outs[1:])
     num_tokens = len(PROMPT) + len(prior)
     assert len(last.kv_blocks) == -(-num_tokens // 4)
     assert decode.reserve(rid, num_tokens) == len(last.kv_blocks)
@@ -64,12 +71,15 @@ def handoff(prefill, decode, sp, prior=()):
     for layer in range(decode.kv_layout.num_layers):
         decode.import_kv_layer(layer, target, prefill.export_kv_layer(layer, last.kv_blocks))
     prefill.release_kv(last.kv_blocks)
-    outputs = [*prior, last.new_token_ids[0]]
-    done = decode.add_prefilled(rid, PROMPT, outputs, sp, sp.seed or 0)
-    assert done is None
+    outputs = [[*prior, o.new_token_ids[0]] for o in outs]
+    siblings = tuple(SampledToken(choice_id(rid, o.index), o.new_token_ids[0]) for o in outs[1:])
+    ended = decode.add_prefilled(rid, PROMPT, outputs[0], sp, sp.seed or 0, siblings=siblings)
+    assert all(o.request_id == rid and o.finished for o in ended)
+    assert len(ended) == (sp.n if sp.max_tokens == 1 else 0)
     while decode.has_unfinished():
         for o in decode.step():
-            outputs += o.new_token_ids
+            assert o.request_id == rid
+            outputs[o.index] += o.new_token_ids
     return outputs
 
 
@@ -80,10 +90,43 @@ def test_kept_kv_moved_to_another_engine_decodes_the_same(engines):
         SamplingParams(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True),
     ):
         whole = run(prefill, PROMPT, sp)
-        assert handoff(prefill, decode, sp) == whole
+        assert handoff(prefill, decode, sp) == [whole]
         # A replayed attempt: the prefill computes prompt + 6 emitted tokens, decode goes on.
-        assert handoff(prefill, decode, sp, prior=whole[:6]) == whole
+        assert handoff(prefill, decode, sp, prior=whole[:6]) == [whole]
         assert free(prefill) and free(decode)
+
+
+def test_n_choices_prefilled_once_fork_on_the_decode_side_as_lone_requests(engines):
+    """n > 1 across the handoff: one prefill draws every choice's first token, one KV moves,
+    the decode engine forks the choices on the shared blocks; choice i equals a lone request
+    seeded seed + i, token for token, and every block is free afterwards."""
+    prefill, decode = engines
+    sp = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=11, ignore_eos=True, n=4)
+    choices = handoff(prefill, decode, sp)
+    lone = [run(prefill, PROMPT, replace(sp, seed=choice_seed(11, i), n=1)) for i in range(sp.n)]
+    assert choices == lone
+    assert len({tuple(c) for c in choices}) > 1  # they are different draws
+    assert free(prefill) and free(decode)
+
+
+def test_choices_that_their_first_token_ends_end_at_admission(engines):
+    prefill, decode = engines
+    sp = SamplingParams(max_tokens=1, temperature=1.0, seed=3, n=3)
+    assert [len(c) for c in handoff(prefill, decode, sp)] == [1, 1, 1]
+    assert free(prefill) and free(decode)
+
+
+def test_choice_ids_cannot_be_taken_by_other_requests(engines):
+    engine, _ = engines
+    sp = SamplingParams(max_tokens=4, temperature=1.0, seed=1, n=3)
+    rid = engine.add_request(PROMPT, sp)
+    for taken in (rid, choice_id(rid, 1), choice_id(rid, 2)):
+        with pytest.raises(ValueError, match="in use"):
+            engine.add_request(PROMPT, replace(sp, n=1), taken)
+    engine.add_request(PROMPT, replace(sp, n=1), choice_id(rid, 3))  # no such choice: free
+    while engine.has_unfinished():
+        engine.step()
+    assert free(engine)
 
 
 def test_a_reservation_is_given_back_and_kept_kv_outlives_abort(engines):

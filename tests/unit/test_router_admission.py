@@ -86,7 +86,8 @@ def test_validation_takes_the_decimal_a_float32_field_came_from_and_names_bad_fi
     assert s.logit_bias == ((5, -2.7),)
     for bad, name in [
         (pb.SamplingParams(presence_penalty=2.5), "sampling.presence_penalty=2.5"),
-        (pb.SamplingParams(n=2), "sampling.n=2"),
+        (pb.SamplingParams(n=-1), "sampling.n=-1"),
+        (pb.SamplingParams(n=65), "sampling.n=65"),
         (pb.SamplingParams(logit_bias={1000: 1.0}), "token 1000 is outside"),
     ]:
         with pytest.raises(InvalidRequest, match=name):

@@ -31,8 +31,11 @@ from workers.engine.request import (
     Request,
     RequestStatus,
     SamplingParams,
+    choice_id,
+    choice_index,
 )
 from workers.engine.scheduler import Scheduler
+from workers.engine.scheduler_output import SampledToken
 from workers.engine.stop_strings import StopStringMatcher
 from workers.model.llama import LlamaForCausalLM
 from workers.model.loader import build_model, resolve_model
@@ -134,10 +137,10 @@ class LLMEngine:
         the same positions and the same remaining budget as if it had never stopped."""
         self.validate_prompt(list(prompt_token_ids) + list(output_ids))
         self.validate_sampling(sampling)
-        if sampling.n > 1 and (output_ids or stop_after is not None or keep_kv):
-            raise ValueError("n > 1 is for a fresh request, not a replay or a prefill")
-        if request_id is not None and "#" in request_id:
-            raise ValueError(f"request id {request_id!r}: '#' is kept for the ids of choices")
+        if sampling.n > 1 and output_ids:
+            raise ValueError("n > 1 is for a fresh request, not a replay")
+        if request_id is not None:
+            self._check_id_free(request_id, sampling.n)
         req = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=list(prompt_token_ids),
@@ -152,6 +155,17 @@ class LLMEngine:
         self.scheduler.add_request(req)
         self._watch_stops(req)
         return req.request_id
+
+    def _check_id_free(self, request_id: str, n: int) -> None:
+        """Choice i > 0 of request R runs as `choice_id(R, i)` (R#i): an id may name neither
+        a sequence that exists nor one that a request here will fork."""
+        sched = self.scheduler
+        taken = [choice_id(request_id, i) for i in range(n)]
+        parent = sched.requests.get(request_id.rpartition("#")[0])
+        if any(t in sched.requests or t in sched.reserved for t in taken) or (
+            parent is not None and 0 < choice_index(request_id) < parent.sampling.n
+        ):
+            raise ValueError(f"request id {request_id!r} is already in use (or a choice's)")
 
     def _watch_stops(self, req: Request) -> None:
         if req.sampling.stop and req.stop_after is None:  # a prefill never ends on a stop
@@ -237,12 +251,18 @@ class LLMEngine:
         priority: int = 0,
         last_logprob: float | None = None,
         last_top_logprobs: tuple[tuple[int, float], ...] | None = None,
-    ) -> RequestOutput | None:
+        siblings: tuple[SampledToken, ...] = (),
+    ) -> list[RequestOutput]:
         """Admit a request prefilled elsewhere: the KV of the prompt and of every output
-        token but the last (just sampled) is in its reserved blocks. Returns its final
-        output if that last token already ends it."""
-        if sampling.n > 1:
-            raise ValueError("n > 1 is not served across a KV transfer")
+        token but the last (just sampled) is in its reserved blocks. With n > 1, `siblings`
+        are the first tokens of choices 1..n-1, drawn by the same prefill: each choice is
+        forked at once, sharing the prompt's blocks. Returns the final output of every
+        choice that its first token already ends."""
+        if len(siblings) != sampling.n - 1 or (siblings and len(output_ids) != 1):
+            raise ValueError(
+                f"n={sampling.n} needs {sampling.n - 1} sibling first tokens after one output "
+                f"token; got {len(siblings)} after {len(output_ids)}"
+            )
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -257,25 +277,37 @@ class LLMEngine:
         if last_top_logprobs is not None and sampling.top_logprobs:
             req.output_top_logprobs.append(tuple(last_top_logprobs))
         self.scheduler.add_prefilled(req)
-        last = req.output_token_ids[-1]
-        if sampling.stop:
-            matcher = StopStringMatcher(self.tokenizer, sampling.stop)
-            self._stops[request_id] = matcher
-            if len(output_ids) > 1:  # emitted before: no stop ended them
-                matcher.push(req.output_token_ids[:-1], search=False)
-            if matcher.push([last], search=_stops_armed(req)) is not None:
-                self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
-        status = self.scheduler.check_stop(req, last)
-        if status is not None and not req.is_finished:
-            self.scheduler.finish_request(request_id, status)
-        if req.is_finished:
-            matcher = self._stops.pop(request_id, None)
-            text = matcher.text if matcher is not None else None
-            return RequestOutput(request_id, [], True, req.finish_reason, req.error, None, text)
-        return None
+        # Every choice forks before any may end and give back the blocks it shares.
+        choices = [req] + [
+            self.scheduler.fork_prefilled(req, i, t) for i, t in enumerate(siblings, start=1)
+        ]
+        ended = []
+        for r in choices:
+            if r.sampling.stop:
+                matcher = self._stops[r.request_id] = StopStringMatcher(
+                    self.tokenizer, r.sampling.stop
+                )
+                if r.num_output_tokens > 1:  # emitted before: no stop ended them
+                    matcher.push(r.output_token_ids[:-1], search=False)
+                if matcher.push(r.output_token_ids[-1:], search=_stops_armed(r)) is not None:
+                    self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
+            status = self.scheduler.check_stop(r, r.output_token_ids[-1])
+            if status is not None and not r.is_finished:
+                self.scheduler.finish_request(r.request_id, status)
+            if r.is_finished:
+                matcher = self._stops.pop(r.request_id, None)
+                text = matcher.text if matcher is not None else None
+                ended.append(
+                    RequestOutput(
+                        request_id, [], True, r.finish_reason, r.error, None, text, index=r.index
+                    )
+                )
+        return ended
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel a request, every choice of it; its blocks are free when this returns."""
+    def abort(self, request_id: str, choices: bool = True) -> bool:
+        """Cancel a request, and with `choices` every choice of it (else only the sequence
+        under this id: a choice's own id, or choice 0's); its blocks are free when this
+        returns."""
         if self.scheduler.release(request_id):
             self._stops.pop(request_id, None)
             return True
@@ -283,7 +315,7 @@ class LLMEngine:
         family = [
             r.request_id
             for r in self.scheduler.requests.values()
-            if request_id in (r.request_id, r.parent_id)
+            if r.request_id == request_id or (choices and r.parent_id == request_id)
         ]
         for rid in family:
             self._stops.pop(rid, None)
@@ -329,7 +361,8 @@ class LLMEngine:
 
     def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
         text = None
-        if req.parent_id is not None and req.sampling.stop and req.num_output_tokens == 1:
+        forked_now = req.parent_id is not None and req.num_output_tokens == 1
+        if forked_now and req.sampling.stop and req.stop_after is None:
             # A choice just forked: its own matcher, from its first token.
             self._stops[req.request_id] = StopStringMatcher(self.tokenizer, req.sampling.stop)
         matcher = self._stops.get(req.request_id)

@@ -162,6 +162,12 @@ def choice_id(request_id: str, index: int) -> str:
     return request_id if index == 0 else f"{request_id}#{index}"
 
 
+def choice_index(choice: str) -> int:
+    """The index a `choice_id` names (0 for a request's own id)."""
+    _, sep, index = choice.rpartition("#")
+    return int(index) if sep and index.isdigit() else 0
+
+
 @dataclass
 class Request:
     request_id: str

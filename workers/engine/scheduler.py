@@ -219,6 +219,17 @@ class Scheduler:
                 results.append((r, [t.token_id]))
         return results
 
+    def fork_prefilled(self, parent: Request, index: int, first: SampledToken) -> Request:
+        """Choice `index` of a request just admitted by add_prefilled, with the first token
+        the prefill drew for it: it shares the parent's blocks, the prompt's KV."""
+        child = self._fork(parent, index)
+        child.output_token_ids.append(first.token_id)
+        if first.logprob is not None and child.sampling.logprobs:
+            child.output_logprobs.append(first.logprob)
+        if first.top_logprobs is not None and child.sampling.top_logprobs:
+            child.output_top_logprobs.append(tuple(first.top_logprobs))
+        return child
+
     def _fork(self, parent: Request, index: int) -> Request:
         """Choice `index` of a parent whose prompt was just computed: a running sequence
         sharing every block of the parent's."""
@@ -232,6 +243,9 @@ class Scheduler:
             seed=choice_seed(parent.seed, index),
             parent_id=parent.request_id,
             index=index,
+            # A prefill's choices end with their first token as it does; only the parent
+            # holds the prompt's KV for the transfer.
+            stop_after=parent.stop_after,
         )
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
