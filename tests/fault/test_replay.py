@@ -23,7 +23,9 @@ from tests.fault.faults import (
     wait_for,
     workload,
 )
-from tests.integration.harness import ClusterHarness, cluster_config, greedy
+from tests.integration.harness import CHATS, ClusterHarness, cluster_config, greedy
+from workers.completion import GenerationRequest
+from workers.engine.request import SamplingParams, choice_id
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -158,6 +160,76 @@ def test_kv_transfer_cut_midway(cluster, reference):
     cut = [f for f in failures(cluster, results) if frozen[0]["name"] in f]
     assert cut, "no attempt on the killed decode worker failed"
     healed(cluster, "decode", 2)
+    clean(cluster)
+
+
+N_REQUEST = GenerationRequest(
+    prompt=CHATS[5],
+    sampling=SamplingParams(max_tokens=60, temperature=0.8, seed=77, ignore_eos=True, n=4),
+)
+
+
+def test_n_choices_replay_each_on_its_own_when_their_decode_worker_dies(cluster):
+    """The four choices of one request run forked on one decode worker, which is killed
+    mid-stream: each choice replays as a request of its own (seed + i, from its own tokens)
+    and every one ends whole, equal to the no-fault run."""
+    client = cluster.client
+    want = cluster.run(client.generate_choices(to_proto(N_REQUEST), timeout_s=300))
+    counts = [0] * 4
+
+    def count(m):
+        counts[m.index] += len(m.token_ids)
+
+    async def go():
+        msg = to_proto(N_REQUEST, "n-decode-dies")
+        task = asyncio.create_task(client.generate_choices(msg, timeout_s=400, on_chunk=count))
+        deadline = time.monotonic() + 120
+        while min(counts) < 8:
+            assert time.monotonic() < deadline and not task.done(), counts
+            await asyncio.sleep(0.01)
+        rec = await cluster.store.get("n-decode-dies")
+        [victim] = [w for w in await live_workers(client, "decode") if w["name"] == rec.decode]
+        kill(victim["pid"])
+        return victim["name"], await task
+
+    victim, results = cluster.run(go(), timeout=600)
+    assert [r.status for r in results] == ["OK"] * 4, [r.error for r in results]
+    assert [r.token_ids for r in results] == [w.token_ids for w in want]
+    for i in range(4):
+        rec = cluster.run(cluster.store.get(choice_id("n-decode-dies", i)))
+        assert rec.attempt >= 2 and any(victim in f for f in rec.failures), rec
+        assert rec.sampling.n == 1 and rec.sampling.seed == 77 + i
+    healed(cluster, "decode", 2)
+    clean(cluster)
+
+
+def test_n_choices_replay_when_their_shared_prefill_dies(cluster):
+    """The prefill worker computing an n = 3 request's long prompt is killed: the shared first
+    attempt fails for all three choices, and each replays alone, equal to the no-fault run."""
+    sp = SamplingParams(max_tokens=16, temperature=0.8, seed=5, ignore_eos=True, n=3)
+    req = GenerationRequest(prompt=LONG_TEXT, sampling=sp)
+    want = cluster.run(cluster.client.generate_choices(to_proto(req), timeout_s=300))
+
+    async def go():
+        msg = to_proto(req, "n-prefill-dies")
+        task = asyncio.create_task(cluster.client.generate_choices(msg, timeout_s=400))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # strike while the long prompt is being computed
+            s = await cluster.client.status()
+            p = [w for w in s.prefill if w.alive][0]
+            if p.queued_prefill_tokens >= 1000:
+                kill(p.pid)
+                return p.name, await task
+            await asyncio.sleep(0.01)
+        raise AssertionError("never saw the long prompt queued on the prefill worker")
+
+    victim, results = cluster.run(go(), timeout=600)
+    assert [r.status for r in results] == ["OK"] * 3, [r.error for r in results]
+    assert [r.token_ids for r in results] == [w.token_ids for w in want]
+    for i in range(3):
+        rec = cluster.run(cluster.store.get(choice_id("n-prefill-dies", i)))
+        assert any(victim in f for f in rec.failures), rec
+    healed(cluster, "prefill", 1)
     clean(cluster)
 
 

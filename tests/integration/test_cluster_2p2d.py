@@ -2,6 +2,7 @@
 
 import pytest
 
+from router.client import to_proto
 from tests.integration.harness import (
     CHATS,
     ClusterHarness,
@@ -9,6 +10,8 @@ from tests.integration.harness import (
     greedy,
     offline_reference,
 )
+from workers.completion import GenerationRequest
+from workers.engine.request import SamplingParams
 
 pytestmark = pytest.mark.integration
 
@@ -20,8 +23,22 @@ def reference():
     return offline_reference(REQUESTS)
 
 
+CHOICES = GenerationRequest(
+    prompt=CHATS[4], sampling=SamplingParams(max_tokens=16, temperature=1.0, seed=9, n=3)
+)
+
+
+@pytest.fixture(scope="module")
+def choices_reference():
+    from workers.offline import LLM
+
+    return [c.token_ids for c in LLM(dtype="float32", num_kv_blocks=512).generate([CHOICES])]
+
+
 @pytest.mark.parametrize("mode, prefill, decode", [("disaggregated", 2, 2), ("colocated", 0, 2)])
-def test_greedy_streams_equal_the_offline_engine(tmp_path, reference, mode, prefill, decode):
+def test_greedy_streams_equal_the_offline_engine(
+    tmp_path, reference, choices_reference, mode, prefill, decode
+):
     h = ClusterHarness(
         cluster_config(
             router={"port": 0},
@@ -49,5 +66,11 @@ def test_greedy_streams_equal_the_offline_engine(tmp_path, reference, mode, pref
         assert {rec.decode for rec in recs} == {"decode-0", "decode-1"}
         if mode == "disaggregated":
             assert {rec.prefill for rec in recs} == {"prefill-0", "prefill-1"}
+        # n > 1 in either mode: each choice as the offline engine draws it.
+        choices = h.run(h.client.generate_choices(to_proto(CHOICES), timeout_s=120))
+        assert [c.token_ids for c in choices] == choices_reference
+        s = h.wait_all_free()
+        for w in s["prefill"] + s["decode"]:
+            assert w["kv_blocks_free"] == w["kv_blocks_total"], w
     finally:
         h.stop()

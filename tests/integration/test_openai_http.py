@@ -115,6 +115,27 @@ def test_seeded_sampling_matches_grpc(cluster, client):
     assert got.choices[0].message.content == want
 
 
+def test_n_choices_equal_the_grpc_path_whole_or_streamed(cluster, client):
+    sampling = dict(max_tokens=12, temperature=1.0, seed=5, n=3)
+    msg = pb.GenerateRequest(prompt=CHATS[3], sampling=pb.SamplingParams(**sampling))
+    want = cluster.run(cluster.client.generate_choices(msg, timeout_s=120))
+    messages = [{"role": "user", "content": CHATS[3]}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, **sampling)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.message.content for c in whole.choices] == [w.text for w in want]
+    assert whole.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=messages, stream=True, **sampling
+    )
+    texts, reasons = ["", "", ""], [None] * 3
+    for event in streamed:
+        for c in event.choices:
+            texts[c.index] += c.delta.content or ""
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+    assert texts == [w.text for w in want]
+    assert reasons == [w.finish_reason for w in want]
+
+
 @pytest.mark.parametrize(
     "kwargs, status, fragment",
     [
@@ -123,7 +144,7 @@ def test_seeded_sampling_matches_grpc(cluster, client):
         (dict(max_tokens=10**6), 400, "max_tokens"),
         (dict(model="gpt-4"), 404, "does not exist"),
         (dict(extra_body={"deadline_s": 0.001}), 504, "deadline"),
-        (dict(n=2), 400, "sampling.n=2"),
+        (dict(n=65), 400, "sampling.n=65"),
     ],
 )
 def test_errors_carry_their_http_status(cluster, client, kwargs, status, fragment):
