@@ -15,7 +15,11 @@
    seeded as its choices are, on a --n-prompt-token prompt: the most KV blocks held at once
    and the wall time, with the prefix cache cold (the lone requests arrive together) and
    warm (the prompt's full blocks already cached); the outputs are checked equal.
-`--parts` picks among sampler, step and parallel. Prints the tables; writes
+4. The same through a one-prefill, one-decode cluster (Ray, Redis, gRPC; fp32): the n = 8
+   request against 8 lone requests sent together, alternating, --runs times: the KV pushes
+   made, the most blocks the decode worker held (sampled every 20 ms from status), and the
+   wall time; the outputs are checked equal.
+`--parts` picks among sampler, step, parallel and cluster. Prints the tables; writes
 benchmarks/results/sampling.json.
 """
 
@@ -209,6 +213,101 @@ def parallel_run(n: int, prompt_tokens: int, max_tokens: int) -> list[dict]:
     return rows
 
 
+def cluster_table(n: int, prompt_tokens: int, max_tokens: int, runs: int) -> list[dict]:
+    import asyncio
+    import tempfile
+
+    from cluster import config_io
+    from cluster.cluster import Cluster
+    from cluster.config import ClusterConfig
+    from router.api import tandem_pb2 as pb
+    from router.client import TandemClient, status_to_dict
+    from workers.engine.request import choice_id, choice_seed
+    from workers.messages import Pool
+
+    prompt = [100 + (i * 37) % 20000 for i in range(prompt_tokens)]
+
+    def msg(rid: str, seed: int, choices: int) -> pb.GenerateRequest:
+        base = dict(max_tokens=max_tokens, temperature=1.0, top_p=0.95, ignore_eos=True)
+        sp = pb.SamplingParams(**base, seed=seed, n=choices)
+        return pb.GenerateRequest(request_id=rid, prompt_ids=prompt, sampling=sp)
+
+    async def measure(c: Cluster, client: TandemClient, label: str, run: int) -> dict:
+        if label.startswith("n="):
+            msgs, ids = [msg(f"n{run}", 5, n)], [choice_id(f"n{run}", i) for i in range(n)]
+        else:
+            ids = [f"lone{run}-{i}" for i in range(n)]
+            msgs = [msg(rid, choice_seed(5, i), 1) for i, rid in enumerate(ids)]
+        peak = {"decode": 0}
+        done = asyncio.Event()
+
+        async def watch() -> None:
+            while not done.is_set():
+                s = status_to_dict(await client.status())
+                for pool in peak:
+                    for w in s[pool]:
+                        used = w["kv_blocks_total"] - w["kv_blocks_free"]
+                        peak[pool] = max(peak[pool], used)
+                await asyncio.sleep(0.02)
+
+        watcher = asyncio.create_task(watch())
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(client.generate_choices(m) for m in msgs))
+        wall = time.perf_counter() - t0
+        done.set()
+        await watcher
+        tokens = [r.token_ids for rs in results for r in rs]
+        assert all(r.status == "OK" for rs in results for r in rs)
+        prefill = c.router.directory.members(Pool.PREFILL)[0]
+        pushed = [await prefill.handle.push_result.remote(rid, 5.0) for rid in ids]
+        log(f"cluster, {label}, run {run + 1}: {peak}, {wall:.1f} s")
+        return {
+            "mode": label,
+            "kv_pushes": sum(p.ok for p in pushed),
+            "peak_decode_blocks": peak["decode"],
+            "wall_s": wall,
+            "tokens": tokens,
+        }
+
+    async def go() -> list[dict]:
+        values = dict(
+            router={"port": 0},
+            dashboard=False,
+            engine={"num_kv_blocks": 1024, "dtype": "float32"},
+            data_dir=tempfile.mkdtemp(prefix="tandem-bench-"),
+        )
+        c = Cluster(config_io.build(ClusterConfig, values, "benchmark"))
+        await c.start(progress=log)
+        client = TandemClient(c.address)
+        rows = []
+        try:
+            for run in range(runs):
+                for label in (f"n={n}", f"{n} lone requests"):
+                    rows.append(await measure(c, client, label, run))
+                assert rows[-1]["tokens"] == rows[-2]["tokens"], "choices differ from lone requests"
+        finally:
+            await client.close()
+            await c.stop()
+        return rows
+
+    rows = asyncio.run(go())
+    table = []
+    for label in (f"n={n}", f"{n} lone requests"):
+        rs = [r for r in rows if r["mode"] == label]
+        for r in rs:
+            del r["tokens"]
+        table.append(
+            {
+                "mode": label,
+                "kv_pushes": rs[0]["kv_pushes"],
+                "peak_decode_blocks": statistics.median(r["peak_decode_blocks"] for r in rs),
+                "wall_s": statistics.median(r["wall_s"] for r in rs),
+                "runs": rs,
+            }
+        )
+    return table
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="1,16,64")
@@ -216,20 +315,22 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--parts", default="sampler,step,parallel")
+    ap.add_argument("--parts", default="sampler,step,parallel,cluster")
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--n-prompt-tokens", type=int, default=500)
     ap.add_argument("--n-max-tokens", type=int, default=32)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     parts = set(args.parts.split(","))
-    samplers = steps = parallel = []
+    samplers = steps = parallel = clustered = []
     if "sampler" in parts:
         samplers = sampler_table([int(b) for b in args.batches.split(",")], args.iters, args.runs)
     if "step" in parts:
         steps = step_table(args.steps)
     if "parallel" in parts:
         parallel = parallel_table(args.n, args.n_prompt_tokens, args.n_max_tokens, args.runs)
+    if "cluster" in parts:
+        clustered = cluster_table(args.n, args.n_prompt_tokens, args.n_max_tokens, args.runs)
     if samplers:
         print(f"\nThe sampler alone, [batch, 49152] logits, ms per call (median of {args.runs}):")
         print_table(
@@ -261,9 +362,27 @@ def main() -> None:
             ["prefix cache", "mode", "most KV blocks held", "wall s"],
             [[r["cache"], r["mode"], r["peak_blocks"], f"{r['wall_s']:.1f}"] for r in parallel],
         )
+    if clustered:
+        print(
+            f"\nParallel sampling through a 1P1D cluster, {args.n_prompt_tokens}-token prompt, "
+            f"{args.n_max_tokens} tokens per choice, median of {args.runs} (outputs equal):"
+        )
+        print_table(
+            ["mode", "KV pushes", "peak decode blocks", "wall s"],
+            [
+                [
+                    r["mode"],
+                    r["kv_pushes"],
+                    f"{r['peak_decode_blocks']:.0f}",
+                    f"{r['wall_s']:.1f}",
+                ]
+                for r in clustered
+            ],
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / "sampling.json"
     report = {"args": vars(args), "sampler": samplers, "step": steps, "parallel": parallel}
+    report["cluster"] = clustered
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")
 
