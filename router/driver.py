@@ -35,6 +35,7 @@ from router.directory import WorkerRef
 from router.errors import RouterError
 from router.store import RecordState
 from router.stream import RequestStream
+from workers.engine.request import choice_index
 from workers.messages import (
     Pool,
     PrefillJob,
@@ -409,16 +410,24 @@ class RequestDriver:
 
     async def _still_running(self, rec) -> bool:
         """Its attempt is generating on its decode worker, or on its way there (prefilling,
-        or its KV being pushed to a reservation)."""
+        or its KV being pushed to a reservation). A choice > 0 of an n > 1 request, in its
+        shared first attempt, is on its way while the request's own id is."""
+        if await self._phases_say_running(rec, self.request_id):
+            return True
+        index = choice_index(self.request_id)
+        if index == 0 or rec.attempt != 1:
+            return False
+        parent = self.request_id.rpartition("#")[0]
+        return await self._phases_say_running(rec, parent)
+
+    async def _phases_say_running(self, rec, rid: str) -> bool:
         phases = {}
         for name in (rec.decode, rec.prefill):
             w = self.router.directory.get(name) if name else None
             if w is None or not w.alive:
                 continue
             try:
-                phases[w.pool] = await self.router.call(
-                    w, w.handle.phase.remote(self.request_id, rec.attempt)
-                )
+                phases[w.pool] = await self.router.call(w, w.handle.phase.remote(rid, rec.attempt))
             except AttemptFailed:
                 continue
         decode, prefill = phases.get(Pool.DECODE, ""), phases.get(Pool.PREFILL, "")
@@ -469,7 +478,8 @@ class SharedStart:
             for driver, first in zip(self.drivers, r.first):
                 driver._put(first_event(spec, first, driver.stream.index))
         except BaseException:  # failed or cancelled: free what the request holds
-            await lead._clean_up()
+            if not lead.router.leaving:  # (a router leaving hands its requests over)
+                await lead._clean_up()
             raise
 
     def _began(self, prefill: str, decode: str) -> None:

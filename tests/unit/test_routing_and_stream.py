@@ -90,3 +90,40 @@ def test_stream_ended_with_a_status_carries_it(smollm2_tokenizer_dir):
 
 async def _collect(stream):
     return [c async for c in stream.follow()]
+
+
+def test_choices_streams_merge_as_they_come_each_tagged_until_all_end(smollm2_tokenizer_dir):
+    """n > 1: the choices' streams reach the caller interleaved as their events arrive, each
+    chunk tagged with its choice, and the merged stream ends once every choice has ended."""
+    from router.stream import follow_all
+
+    tok = Tokenizer(ModelSource(smollm2_tokenizer_dir))
+    ids = tok.encode("one two three four")
+    streams = [RequestStream.open(f"r#{i}" if i else "r", tok, index=i) for i in range(3)]
+
+    async def go():
+        got = []
+
+        async def take():
+            async for c in follow_all(streams):
+                got.append((c.index, c.token_ids, c.finished))
+
+        task = asyncio.create_task(take())
+        await asyncio.sleep(0.01)  # following all three
+        streams[1].put(ev(0, ids[:2]))
+        await asyncio.sleep(0.01)
+        streams[0].put(ev(0, ids[:1]))
+        streams[0].put(ev(1, ids[1:], FinishReason.LENGTH))
+        streams[2].end(Status.OK, "cancelled")
+        await asyncio.sleep(0.01)
+        assert not task.done()  # choice 1 has not ended
+        streams[1].put(ev(2, ids[2:], FinishReason.STOP))
+        await asyncio.wait_for(task, 1)
+        return got
+
+    got = asyncio.run(go())
+    assert got[0] == (1, tuple(ids[:2]), False)  # in arrival order, not index order
+    assert sorted({i for i, _, _ in got}) == [0, 1, 2]
+    for i, s in enumerate(streams):
+        mine = [t for j, ts, _ in got if j == i for t in ts]
+        assert mine == s.tokens and [f for j, _, f in got if j == i][-1]
