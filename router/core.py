@@ -260,7 +260,7 @@ class Router:
         except ray.exceptions.RayError as e:
             raise AttemptFailed(Status.UNAVAILABLE, f"{w.name}: {e}") from None
 
-    def release_when_made(self, w: WorkerRef, ref, request_id: str) -> None:
+    def release_when_made(self, w: WorkerRef, ref, request_id: str | list[str]) -> None:
         """A reservation (or colocated submission) asked for by a request that ended while
         the call was out: once the call lands, cancel what it holds on that worker (else a
         reservation would stay until its TTL, a submission generate to its end)."""
@@ -277,19 +277,22 @@ class Router:
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    async def cancel_on(self, names: list[str], request_id: str) -> None:
+    async def cancel_on(self, names: list[str], request_id: str | list[str]) -> None:
+        """Cancel a request (or each of several ids: an n > 1 request's choices) on the
+        named workers."""
+        ids = [request_id] if isinstance(request_id, str) else request_id
         calls = []
         for name in names:
             w = self.directory.get(name)
             if w is not None and w.alive:
-                calls.append(w.handle.cancel.remote(request_id))
+                calls += [w.handle.cancel.remote(rid) for rid in ids]
         if calls:
             try:
                 await asyncio.wait_for(
                     asyncio.gather(*calls, return_exceptions=True), self.config.rpc_timeout_s
                 )
             except TimeoutError:
-                log.warning("request %s: cancel on %s timed out", request_id, names)
+                log.warning("request %s: cancel on %s timed out", ids[0], names)
 
     def record_attempt(self, rid: str, attempt: int, prefill: str, decode: str, cause: str) -> None:
         store = self.store
@@ -415,11 +418,20 @@ class Router:
             )
             try:
                 await self.records.create(rec)
-            except RouterError as e:
+            except BaseException as e:  # refused, or the caller went away meanwhile
+                status, why = (
+                    (e.status, e.message) if isinstance(e, RouterError) else (Status.CANCELLED, "")
+                )
                 for m in made:
-                    ended = replace(m, state=RecordState.FAILED, status=e.status, error=e.message)
+                    ended = replace(
+                        m,
+                        state=RecordState.FAILED if why else RecordState.CANCELLED,
+                        status=status if why else Status.OK,
+                        finish_reason="error" if why else "cancelled",
+                        error=why,
+                    )
                     self.records.write(
-                        f"{m.request_id} refused", lambda r=ended: self.store.end(r, [])
+                        f"{m.request_id} not started", lambda r=ended: self.store.end(r, [])
                     )
                 raise
             made.append(rec)
@@ -452,20 +464,19 @@ class Router:
                     d.task.cancel()
             return True
         d = self.drivers.get(request_id)
-        if d is not None and not d.watching:
-            if d.task is not None:
-                d.task.cancel()
-            return True
-        rec = await self.read_record(request_id)
-        if rec is None:
-            return False
+        if d is not None:
+            choices = d.choices
+        else:
+            rec = await self.read_record(request_id)
+            if rec is None:
+                return False
+            choices = rec.choices
         found = False
-        for i in range(rec.choices):
-            cid = choice_id(request_id, i)
-            found |= await self._cancel_one(cid, rec if i == 0 else None)
+        for i in range(choices):
+            found |= await self._cancel_one(choice_id(request_id, i))
         return found
 
-    async def _cancel_one(self, rid: str, rec: RequestRecord | None) -> bool:
+    async def _cancel_one(self, rid: str) -> bool:
         d = self.drivers.get(rid)
         if d is not None and not d.watching:
             if d.task is not None:
@@ -473,7 +484,7 @@ class Router:
             return True
         # Driven by another router (or adopted and watched): cancel where it runs; its
         # decode worker tells whoever follows it, and the record ends CANCELLED.
-        rec = rec or await self.read_record(rid)
+        rec = await self.read_record(rid)
         if rec is None or rec.state.terminal:
             return False
         await self.cancel_on([n for n in (rec.prefill, rec.decode) if n], rid)

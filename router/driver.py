@@ -35,7 +35,7 @@ from router.directory import WorkerRef
 from router.errors import RouterError
 from router.store import RecordState
 from router.stream import RequestStream
-from workers.engine.request import choice_index
+from workers.engine.request import choice_id, choice_index
 from workers.messages import (
     Pool,
     PrefillJob,
@@ -232,7 +232,7 @@ class RequestDriver:
                 except AttemptFailed:
                     continue  # that worker is gone or slow: try the next
                 except asyncio.CancelledError:  # the request ended with the call out
-                    self.router.release_when_made(w, ref, spec.request_id)
+                    self.router.release_when_made(w, ref, self._ids(spec))
                     raise
                 if res is not None:
                     self.decode = w.name
@@ -346,7 +346,13 @@ class RequestDriver:
     async def _clean_up(self) -> None:
         """Whatever this attempt still holds on its workers is freed."""
         names = [n for n in (self.prefill, self.decode) if n]
-        await self.router.cancel_on(names, self.request_id)
+        await self.router.cancel_on(names, self._ids(self.spec))
+
+    @staticmethod
+    def _ids(spec: RequestSpec) -> list[str]:
+        """What a request is held under on its workers: its own id, and with n > 1 (the
+        shared first attempt) each choice's."""
+        return [choice_id(spec.request_id, i) for i in range(spec.choices)]
 
     def _end(self, status: Status, reason: str, error: str = "") -> None:
         """The request's end: its stream's last chunk and its record's terminal state. A
@@ -411,16 +417,17 @@ class RequestDriver:
     async def _still_running(self, rec) -> bool:
         """Its attempt is generating on its decode worker, or on its way there (prefilling,
         or its KV being pushed to a reservation). A choice > 0 of an n > 1 request, in its
-        shared first attempt, is on its way while the request's own id is."""
-        if await self._phases_say_running(rec, self.request_id):
+        shared first attempt, is on its way while the request's own KV is."""
+        decode, prefill = await self._phases(rec, self.request_id)
+        if decode == "running" or (decode == "reserved" and prefill != ""):
             return True
-        index = choice_index(self.request_id)
-        if index == 0 or rec.attempt != 1:
+        if choice_index(self.request_id) == 0 or rec.attempt != 1:
             return False
-        parent = self.request_id.rpartition("#")[0]
-        return await self._phases_say_running(rec, parent)
+        decode, prefill = await self._phases(rec, self.request_id.rpartition("#")[0])
+        return decode == "reserved" and prefill != ""
 
-    async def _phases_say_running(self, rec, rid: str) -> bool:
+    async def _phases(self, rec, rid: str) -> tuple[str, str]:
+        """`rid`'s phase on the record's decode worker and on its prefill worker."""
         phases = {}
         for name in (rec.decode, rec.prefill):
             w = self.router.directory.get(name) if name else None
@@ -430,8 +437,7 @@ class RequestDriver:
                 phases[w.pool] = await self.router.call(w, w.handle.phase.remote(rid, rec.attempt))
             except AttemptFailed:
                 continue
-        decode, prefill = phases.get(Pool.DECODE, ""), phases.get(Pool.PREFILL, "")
-        return decode == "running" or (decode == "reserved" and prefill != "")
+        return phases.get(Pool.DECODE, ""), phases.get(Pool.PREFILL, "")
 
 
 class SharedStart:
@@ -471,6 +477,8 @@ class SharedStart:
                 self._began("", d.name)
                 return
             d = await lead._reserve(spec)
+            for driver in self.drivers:  # its death is news to them from now on
+                driver.decode = d.name
             p = await lead._pick(Pool.PREFILL)
             lead.prefill = p.name
             self._began(p.name, d.name)

@@ -8,6 +8,7 @@ carries one, and a request is never returned as a truncated success.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import statistics
 
@@ -127,13 +128,15 @@ class GenerationService(pb_grpc.GenerationServicer):
             except (InvalidRequest, ValueError) as e:
                 raise RouterError(Status.INVALID_ARGUMENT, str(e)) from None
             completion = [0] * adm.sampling.n  # per choice
-            async for chunk in self.router.generate(adm):
-                if (err := _failed(chunk)) is not None:
-                    raise err  # one choice failing for good fails the call; the rest cancel
-                completion[chunk.index] += len(chunk.token_ids)
-                yield convert.response(
-                    adm.request_id, chunk, len(adm.prompt_ids), completion[chunk.index]
-                )
+            async with contextlib.aclosing(self.router.generate(adm)) as chunks:
+                async for chunk in chunks:
+                    if (err := _failed(chunk)) is not None:
+                        raise err  # one choice failing for good fails the call; closing
+                        # the stream cancels the others at once
+                    completion[chunk.index] += len(chunk.token_ids)
+                    yield convert.response(
+                        adm.request_id, chunk, len(adm.prompt_ids), completion[chunk.index]
+                    )
         except RouterError as e:
             await _abort(context, e)
 

@@ -26,17 +26,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 
 from kv_transfer.channel import StagingBuffers, recv_kv
 from kv_transfer.layout import KVLayout, LayoutMismatch
 from kv_transfer.protocol import TransferError
 from kv_transfer.torch_dist import PairGroup, store_server
 from workers.engine.engine import RequestOutput
-from workers.engine.request import FinishReason, choice_id
+from workers.engine.request import FinishReason, choice_id, choice_index
 from workers.engine.scheduler_output import SampledToken
 from workers.messages import (
     DecodeEndpoint,
+    FirstToken,
     KVAdmission,
     Pool,
     PushResult,
@@ -61,6 +62,12 @@ class _Held:
     attempt: int
     offset: int = 0  # output index of the next token it emits
     reserved_until: float | None = None  # while only reserved
+    # n > 1, while reserved: choices cancelled before the KV landed (not forked when it does)
+    dropped: set[int] = field(default_factory=set)
+
+
+def _sampled(cid: str, first: FirstToken) -> SampledToken:
+    return SampledToken(cid, first.token_id, first.logprob, first.top_logprobs)
 
 
 def status_of(o: RequestOutput) -> Status:
@@ -228,7 +235,14 @@ class DecodeWorker(WorkerBase):
             self._fail(rid, spec.attempt, f"{rid}: the admission disagrees with the KV header")
             return
         outputs = [*spec.output_ids, token]
-        ids = [choice_id(rid, i) for i in range(spec.choices)]
+        # Choices cancelled before the KV landed, or already here under a newer attempt (a
+        # lone replay of theirs), are not forked.
+        # (index, id) of each choice to run here; a replayed choice is a request of its own.
+        run = [(0, rid)] + [
+            (i, choice_id(rid, i))
+            for i in range(1, spec.choices)
+            if i not in held.dropped and choice_id(rid, i) not in self._held
+        ]
         ended = self.engine.add_prefilled(
             rid,
             list(spec.prompt_ids),
@@ -238,19 +252,16 @@ class DecodeWorker(WorkerBase):
             spec.priority,
             first[0].logprob,
             first[0].top_logprobs,
-            siblings=tuple(
-                SampledToken(ids[i], f.token_id, f.logprob, f.top_logprobs)
-                for i, f in enumerate(first[1:], start=1)
-            ),
+            siblings=tuple(_sampled(cid, first[i]) for i, cid in run[1:]),
         )
         # From here each choice is followed, and logged, under its own id.
         events = []
-        for i, cid in enumerate(ids):
+        for i, cid in run:
             self._held[cid] = _Held(spec.attempt, offset=len(outputs))
             self.relay.begin(cid, spec.attempt, spec.router_id, list(spec.output_ids))
             events.append(first_event(spec, first[i], i))
         for out in ended:  # a first token that already ends its choice
-            cid = ids[out.index]
+            cid = choice_id(rid, out.index)
             events.append(self._event(out, cid, spec.attempt, self._held.pop(cid).offset))
         self.relay.emit(events)
 
@@ -258,18 +269,32 @@ class DecodeWorker(WorkerBase):
         held = self._held.get(rid)
         if held is None or held.attempt != attempt:
             return
-        failed = TokenEvent(
-            rid, attempt, held.offset, finish_reason=FinishReason.ERROR, status=Status.UNAVAILABLE
-        )
-        self.relay.emit([replace(failed, error=message)])
+        events = [
+            TokenEvent(
+                cid,
+                attempt,
+                self._held[cid].offset,
+                finish_reason=FinishReason.ERROR,
+                status=Status.UNAVAILABLE,
+                error=message,
+            )
+            for cid in [rid, *self._unforked(rid)]
+        ]
+        self.relay.emit(events)
         self._drop(rid)
 
     def _drop(self, rid: str) -> None:
         """Forget a request (or one choice of it) here at once: reservation or running, its
-        blocks are free."""
-        self._held.pop(rid, None)
+        blocks are free. A colocated n > 1 request not yet forked takes its choices along."""
+        for cid in [rid, *self._unforked(rid)]:
+            self._held.pop(cid, None)
+            self.relay.end(cid)
         self.engine.abort(rid, choices=False)
-        self.relay.end(rid)
+
+    def _unforked(self, rid: str) -> list[str]:
+        """The ids of a colocated request's choices that its prompt has not forked yet."""
+        ids = (choice_id(rid, i) for i in range(1, self.engine.unforked_choices(rid) + 1))
+        return [cid for cid in ids if cid in self._held]
 
     def _fenced(self, rid: str) -> None:
         """The log refused this worker's attempt: a newer one runs elsewhere. Stop, and say so
@@ -357,6 +382,11 @@ class DecodeWorker(WorkerBase):
 
     def _cancel(self, rid: str) -> bool:
         found = rid in self._held
+        if not found and choice_index(rid) > 0:  # a choice whose request's KV is on its way
+            parent = self._held.get(rid.rpartition("#")[0])
+            if parent is not None and parent.reserved_until is not None:
+                parent.dropped.add(choice_index(rid))
+                return True
         self._drop(rid)
         return found
 

@@ -163,7 +163,9 @@ class LLMEngine:
         taken = [choice_id(request_id, i) for i in range(n)]
         parent = sched.requests.get(request_id.rpartition("#")[0])
         if any(t in sched.requests or t in sched.reserved for t in taken) or (
-            parent is not None and 0 < choice_index(request_id) < parent.sampling.n
+            parent is not None
+            and parent.forks_pending
+            and 0 < choice_index(request_id) < parent.sampling.n
         ):
             raise ValueError(f"request id {request_id!r} is already in use (or a choice's)")
 
@@ -255,14 +257,22 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Admit a request prefilled elsewhere: the KV of the prompt and of every output
         token but the last (just sampled) is in its reserved blocks. With n > 1, `siblings`
-        are the first tokens of choices 1..n-1, drawn by the same prefill: each choice is
-        forked at once, sharing the prompt's blocks. Returns the final output of every
-        choice that its first token already ends."""
-        if len(siblings) != sampling.n - 1 or (siblings and len(output_ids) != 1):
+        are first tokens the same prefill drew for choices > 0, each under its choice's id:
+        those choices are forked at once, sharing the prompt's blocks (a choice left out is
+        never run here). Returns the final output of every choice that its first token
+        already ends."""
+        indices = [choice_index(s.request_id) for s in siblings]
+        if siblings and (
+            len(output_ids) != 1
+            or len(set(indices)) != len(indices)
+            or not all(0 < i < sampling.n for i in indices)
+        ):
             raise ValueError(
-                f"n={sampling.n} needs {sampling.n - 1} sibling first tokens after one output "
-                f"token; got {len(siblings)} after {len(output_ids)}"
+                f"n={sampling.n}: siblings must be distinct choices in [1, {sampling.n}) after "
+                f"one output token; got {indices} after {len(output_ids)}"
             )
+        for s in siblings:
+            self._check_id_free(s.request_id, 1)
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -279,7 +289,7 @@ class LLMEngine:
         self.scheduler.add_prefilled(req)
         # Every choice forks before any may end and give back the blocks it shares.
         choices = [req] + [
-            self.scheduler.fork_prefilled(req, i, t) for i, t in enumerate(siblings, start=1)
+            self.scheduler.fork_prefilled(req, choice_index(t.request_id), t) for t in siblings
         ]
         ended = []
         for r in choices:
@@ -303,6 +313,11 @@ class LLMEngine:
                     )
                 )
         return ended
+
+    def unforked_choices(self, request_id: str) -> int:
+        """How many choices (> 0) of an n > 1 request are still to be forked from it."""
+        req = self.scheduler.requests.get(request_id)
+        return req.sampling.n - 1 if req is not None and req.forks_pending else 0
 
     def abort(self, request_id: str, choices: bool = True) -> bool:
         """Cancel a request, and with `choices` every choice of it (else only the sequence
