@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
-    from cluster.cli_remote import cmd_status
+    from cluster.cli_remote import cmd_drain, cmd_scale, cmd_status
     from cluster.cli_up import add_router_parser, add_up_parser
 
     add_up_parser(sub)
@@ -167,6 +167,32 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.add_argument("--token")
     st.set_defaults(func=cmd_status)
+    sc = sub.add_parser(
+        "scale",
+        help="resize the prefill and/or decode pool",
+        description="Grows a pool by starting workers, or shrinks it by draining its newest "
+        "ones: a drained worker takes no new request, finishes those it holds (or, past the "
+        "drain timeout, hands them to replay), closes its KV pairs, then exits.",
+    )
+    sc.add_argument("--address", required=True)
+    sc.add_argument("--prefill", type=int, help="prefill workers wanted (>= 1)")
+    sc.add_argument("--decode", type=int, help="decode workers wanted (>= 1)")
+    sc.add_argument("--timeout", type=float, default=600, help="seconds per pool (default 600)")
+    sc.add_argument("--json", action="store_true")
+    sc.add_argument("--token")
+    sc.set_defaults(func=cmd_scale)
+    dr = sub.add_parser(
+        "drain",
+        help="retire one worker without failing its requests",
+        description="The worker takes no new request and finishes those it holds; past "
+        "--drain-timeout they are replayed elsewhere. Then it exits and its pool shrinks by one.",
+    )
+    dr.add_argument("--address", required=True)
+    dr.add_argument("--worker", required=True, help="its name, e.g. decode-1 (tandem status)")
+    dr.add_argument("--drain-timeout", type=float, default=60, help="seconds (default 60)")
+    dr.add_argument("--json", action="store_true")
+    dr.add_argument("--token")
+    dr.set_defaults(func=cmd_drain)
     return parser
 
 

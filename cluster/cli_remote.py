@@ -1,4 +1,5 @@
-"""`tandem generate --address` and `tandem status`: clients of a running cluster."""
+"""`tandem generate --address`, `tandem status`, `tandem scale` and `tandem drain`: clients of
+a running cluster."""
 
 from __future__ import annotations
 
@@ -53,6 +54,71 @@ async def generate_remote(args: argparse.Namespace, requests) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     return asyncio.run(_status(args))
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    return asyncio.run(_scale(args))
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    return asyncio.run(_drain(args))
+
+
+async def _admin(args, what: str, calls) -> int:
+    """Run admin calls (each a (label, coroutine factory) pair, in order) with progress on
+    stderr, then print their outcome and the cluster's status, as a table or as JSON."""
+    import grpc
+
+    from router.client import TandemClient, status_to_dict
+
+    client = TandemClient(args.address, args.token)
+    done = {}
+    try:
+        for label, call in calls:
+            print(f"[tandem {what}] {label}...", file=sys.stderr, flush=True)
+            done[label] = await call(client.admin)
+        status = status_to_dict(await client.status())
+    except grpc.aio.AioRpcError as e:
+        print(f"tandem {what}: {args.address}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    finally:
+        await client.close()
+    if args.json:
+        print(json.dumps({what: done, "status": status}))
+    else:
+        for label, outcome in done.items():
+            print(f"{label}: {outcome}")
+        print_status(status)
+    return 0
+
+
+async def _scale(args) -> int:
+    from router.api import tandem_pb2 as pb
+
+    sizes = [(pool, n) for pool, n in (("prefill", args.prefill), ("decode", args.decode)) if n]
+    if not sizes:
+        print("tandem scale: give --prefill N and/or --decode N", file=sys.stderr)
+        return 2
+
+    def scale(pool: str, n: int):
+        async def call(admin) -> list[str]:
+            request = pb.ScaleRequest(pool=pool, replicas=n)
+            return list((await admin.Scale(request, timeout=args.timeout)).workers)
+
+        return f"{pool} to {n}", call
+
+    return await _admin(args, "scale", [scale(pool, n) for pool, n in sizes])
+
+
+async def _drain(args) -> int:
+    from router.api import tandem_pb2 as pb
+
+    async def call(admin) -> dict:
+        request = pb.DrainRequest(worker=args.worker, timeout_s=args.drain_timeout)
+        r = await admin.Drain(request, timeout=args.drain_timeout + 60)
+        return {"drained": r.drained, "message": r.message}
+
+    return await _admin(args, "drain", [(f"drain {args.worker}", call)])
 
 
 async def _status(args) -> int:

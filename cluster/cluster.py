@@ -47,7 +47,16 @@ def init_ray(cfg: ClusterConfig, progress) -> bool:
         return False
     cpus = cfg.ray_num_cpus or max(2, int(cfg.workers_cpus + 0.999))
     progress(f"starting Ray with {cpus} logical CPUs")
-    ray.init(num_cpus=cpus, include_dashboard=cfg.dashboard, namespace=NAMESPACE, runtime_env=env)
+    more = {}
+    if cfg.metrics_export_port is not None:
+        more["_metrics_export_port"] = cfg.metrics_export_port
+    ray.init(
+        num_cpus=cpus,
+        include_dashboard=cfg.dashboard,
+        namespace=NAMESPACE,
+        runtime_env=env,
+        **more,
+    )
     return True
 
 

@@ -87,6 +87,13 @@ class ClusterConfig:
         default=None, metadata=_h("logical CPUs of a local Ray (default: what the pools need)")
     )
     dashboard: bool = field(default=True, metadata=_h("start the Ray dashboard"))
+    metrics_export_port: int | None = field(
+        default=None,
+        metadata=_h(
+            "port of a local Ray's Prometheus endpoint, Tandem's series included "
+            "(default: one Ray picks; a joined Ray keeps its own)"
+        ),
+    )
     transfer_timeout_s: float = field(
         default=10.0, metadata=_h("longest wait of any KV rendezvous, send or receive")
     )
@@ -108,6 +115,8 @@ class ClusterConfig:
             raise bad("decode.replicas", "at least one decode worker is needed")
         if self.transfer_timeout_s <= 0:
             raise bad("transfer_timeout_s", "must be positive")
+        if self.metrics_export_port is not None and not 0 < self.metrics_export_port < 65536:
+            raise bad("metrics_export_port", "must be a TCP port")
 
     def pool(self, pool: Pool) -> PoolConfig:
         return self.prefill if pool is Pool.PREFILL else self.decode

@@ -25,6 +25,7 @@ from router.config import RouterConfig
 from router.directory import PoolEvent, WorkerDirectory, WorkerRef
 from router.driver import AttemptFailed, RequestDriver, SharedStart, WorkerLost
 from router.errors import RouterError
+from router.metrics import RouterMetrics
 from router.records import Records
 from router.resume import from_stream, tail_log
 from router.routing import RoutingPolicy, WorkerLoad
@@ -72,6 +73,7 @@ class Router:
         self.drivers: dict[str, RequestDriver] = {}  # by request id (a choice's own id)
         self.groups: dict[str, SharedStart] = {}  # n > 1 requests, by the request's id
         self.stats = RouterStats()
+        self.metrics = RouterMetrics(self.id)
         self.slots = asyncio.Semaphore(config.max_in_flight)
         self.queue_depth = 0
         self._pollers: dict[str, asyncio.Task] = {}
@@ -120,6 +122,7 @@ class Router:
 
     # -- the workers ------------------------------------------------------------------------
     def _on_pool_event(self, event: PoolEvent, w: WorkerRef) -> None:
+        self.metrics.scaled(w.pool.value, event.name.lower())
         if event is PoolEvent.ADDED:
             self.loads[w.name] = WorkerLoad(w.name)
             if w.pool is Pool.DECODE and w.name not in self._pollers:
@@ -158,6 +161,7 @@ class Router:
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.status_interval_s)
+            self.metrics.queue(self.queue_depth, len(self.drivers))
             try:
                 await self.refresh_loads()
             except Exception:
@@ -370,11 +374,13 @@ class Router:
             )
         self._check_pools()
         self.queue_depth += 1
+        self.metrics.queue(self.queue_depth, len(self.drivers))
         try:
             await self.slots.acquire()
         finally:
             self.queue_depth -= 1
         drivers: list[RequestDriver] = []
+        timer = self.metrics.stream()
         shared = SharedStart(self, spec) if n > 1 else None
         try:
             await self._create_records(specs, adm.tenant)
@@ -389,7 +395,10 @@ class Router:
                 self.groups[rid] = shared
             for driver in drivers:
                 driver.start()
+            self.metrics.queue(self.queue_depth, len(self.drivers))
             async for chunk in follow_all([d.stream for d in drivers]):
+                status = chunk.finish_reason if chunk.status is Status.OK else chunk.status.value
+                timer.chunk(chunk.index, len(chunk.token_ids), chunk.finished, status or "")
                 yield chunk
         finally:
             self.slots.release()

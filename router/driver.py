@@ -167,6 +167,7 @@ class RequestDriver:
     def _replay_starts(self, cause: str) -> None:
         self.replaying_since = time.monotonic()
         self.router.stats.replays_started += 1
+        self.router.metrics.replayed()
         log.warning(
             "request %s: replaying (attempt %d) after %s, from %d tokens",
             self.request_id,

@@ -264,7 +264,14 @@ class WorkerStatus:
 
     @property
     def idle(self) -> bool:
-        return self.running == 0 and self.waiting == 0 and self.reserved == 0
+        """Nothing to finish here: no request, no reservation, and no block held (a prefill
+        worker holds a request's blocks until its KV push ends)."""
+        return (
+            self.running == 0
+            and self.waiting == 0
+            and self.reserved == 0
+            and self.kv_blocks_free == self.kv_blocks_total
+        )
 
 
 # -- the token log, as the decode worker sees it (Redis behind it; see cluster/state.py) -------

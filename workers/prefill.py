@@ -226,6 +226,9 @@ class PrefillWorker(WorkerBase):
         return s
 
     def _push_done(self, push: Push, result: PushResult) -> None:
+        if result.error != "cancelled":
+            nbytes = len(push.blocks) * self.layout.bytes_per_block
+            self.metrics.transfer(nbytes, result.seconds, result.ok)
         with self._lock:
             entry = self._pushes.pop(push.request_id, None)
             self._push_results[push.request_id] = result

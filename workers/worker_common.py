@@ -13,6 +13,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.engine_loop import EngineLoop
 from workers.messages import Pool, WorkerStatus
+from workers.metrics import WorkerMetrics
 
 LOOP_WAIT_S = 60.0
 
@@ -69,6 +70,7 @@ class WorkerBase:
         self.node = node_address()
         self.loop: EngineLoop | None = None
         self.liveness = LivenessPort(self.transfer_host)
+        self.metrics = WorkerMetrics(self.pool.value, name)
 
     def on_loop(self, fn, *args):
         """Run fn(*args) on the engine loop between two steps and wait for it. A step may take
@@ -84,8 +86,10 @@ class WorkerBase:
         self.loop = EngineLoop(self.engine, on_outputs, name=f"{self.name}-loop").start()
 
     def status(self) -> WorkerStatus:
-        """Answered from the loop's last snapshot: never waits for a step to end."""
+        """Answered from the loop's last snapshot: never waits for a step to end. Brings the
+        worker's metrics up to date on the way."""
         s = self.loop.stats
+        self.metrics.observe(s)
         return WorkerStatus(
             name=self.name,
             pool=self.pool,

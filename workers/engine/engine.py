@@ -70,6 +70,9 @@ class EngineStats:
     reserved: int
     preemptions: int
     prefix_hit_blocks: int
+    prefix_query_blocks: int = 0  # full prompt blocks looked up in the prefix cache
+    prefill_tokens: int = 0  # lifetime: tokens computed in prompt chunks
+    decode_tokens: int = 0  # lifetime: tokens computed one per sequence per step
 
 
 def _stops_armed(req: Request) -> bool:
@@ -110,6 +113,7 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         self._seeds = random.Random(config.seed)
+        self.prefill_tokens = self.decode_tokens = 0  # computed, lifetime (for metrics)
         self._stops: dict[str, StopStringMatcher] = {}
         log.info(
             "engine ready: %s, %s, %d KV blocks of %d tokens, backend %s",
@@ -350,6 +354,9 @@ class LLMEngine:
             reserved=len(sched.reserved),
             preemptions=sched.num_preemptions,
             prefix_hit_blocks=self.pool.num_prefix_hits,
+            prefix_query_blocks=sched.num_prefix_queries,
+            prefill_tokens=self.prefill_tokens,
+            decode_tokens=self.decode_tokens,
         )
 
     # -- the loop body ----------------------------------------------------------------------
@@ -358,6 +365,8 @@ class LLMEngine:
         results = [o for req, err in out.failed for o in self._ended_with_error(req, err)]
         if not out.scheduled:
             return results
+        self.prefill_tokens += sum(p.num_tokens for p in out.prefills)
+        self.decode_tokens += len(out.decodes)
         try:
             sampled = self.runner.execute(out)
         except Exception as e:  # one bad step must not take the engine down with it

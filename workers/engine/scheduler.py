@@ -34,6 +34,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0  # lifetime count, for metrics and tests
+        self.num_prefix_queries = 0  # full prompt blocks looked up at admission, for metrics
         self.padding: list[Request] = []  # static batching: ended members still in the group
         self.reserved: set[str] = set()  # ids holding blocks for a KV transfer not yet admitted
 
@@ -267,6 +268,8 @@ class Scheduler:
             num_cached = len(hits) * self.pool.block_size
             n = self._num_new_tokens(req, budget, skip=num_cached)
             if n and self.kv.can_allocate(req, n, hits, admitting=admitting):
+                if req.num_computed_tokens == 0 and self.pool.enable_prefix_caching:
+                    self.num_prefix_queries += (req.num_tokens - 1) // self.pool.block_size
                 self.kv.allocate(req, n, hits)
                 req.num_computed_tokens += num_cached
                 req.num_cached_tokens = num_cached

@@ -1,0 +1,68 @@
+"""The router's series (see workers/metrics.py for how they are exported): requests by final
+status; TTFT, inter-token latency and end-to-end latency; the admission queue; replays; and
+pool scale events (operator scales and drains, and dead workers replaced)."""
+
+from __future__ import annotations
+
+import time
+
+from workers.metrics import counter, gauge, histogram
+
+
+class RouterMetrics:
+    def __init__(self, router_id: str) -> None:
+        self.tags = {"router": router_id}
+        t = ("router",)
+        self.requests = counter(
+            "tandem_requests_total",
+            "requests (each choice of n > 1) by final status",
+            (*t, "status"),
+        )
+        self.ttft = histogram("tandem_ttft_seconds", "admission to first token", t)
+        self.itl = histogram("tandem_itl_seconds", "time between a stream's tokens", t)
+        self.e2e = histogram("tandem_e2e_seconds", "admission to the last message", t)
+        self.queue_depth = gauge("tandem_router_queue_depth", "requests waiting for a slot", t)
+        self.in_flight = gauge("tandem_router_in_flight", "requests being served", t)
+        self.replays = counter("tandem_replays_total", "attempts replayed after a failure", t)
+        self.scale_events = counter(
+            "tandem_scale_events_total",
+            "pool changes: scale, drain, replace",
+            (*t, "pool", "event"),
+        )
+
+    def replayed(self) -> None:
+        self.replays.inc(1, self.tags)
+
+    def scaled(self, pool: str, event: str) -> None:
+        self.scale_events.inc(1, {**self.tags, "pool": pool, "event": event})
+
+    def queue(self, depth: int, in_flight: int) -> None:
+        self.queue_depth.set(depth, self.tags)
+        self.in_flight.set(in_flight, self.tags)
+
+    def stream(self) -> StreamTimer:
+        return StreamTimer(self)
+
+
+class StreamTimer:
+    """Times one request's chunks (per choice, for n > 1) as they leave the router."""
+
+    def __init__(self, m: RouterMetrics) -> None:
+        self.m = m
+        self.t0 = time.monotonic()
+        self.last: dict[int, float] = {}
+
+    def chunk(self, index: int, tokens: int, finished: bool, status: str) -> None:
+        now = time.monotonic()
+        tags = self.m.tags
+        if tokens:
+            before = self.last.get(index)
+            if before is None:
+                self.m.ttft.observe(now - self.t0, tags)
+            else:  # a chunk of k tokens: k gaps of equal share
+                for _ in range(tokens):
+                    self.m.itl.observe((now - before) / tokens, tags)
+            self.last[index] = now
+        if finished:
+            self.m.e2e.observe(now - self.t0, tags)
+            self.m.requests.inc(1, {**tags, "status": status})

@@ -1,0 +1,140 @@
+"""The deployment files cannot rot silently: every manifest parses; every `tandem` command they
+run parses with the CLI's own parser; the config they mount is a valid cluster config; and the
+ports, Ray resources, GPUs, Redis address and mounted paths they name agree with that config
+and with each other."""
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster import config_io
+from cluster.cli import build_parser
+from cluster.config import ClusterConfig
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+KUBERAY = DEPLOY / "kuberay"
+
+
+def docs() -> list[dict]:
+    return [d for p in sorted(KUBERAY.glob("*.yaml")) for d in yaml.safe_load_all(p.read_text())]
+
+
+def of_kind(kind: str) -> list[dict]:
+    return [d for d in docs() if d["kind"] == kind]
+
+
+def named(kind: str, name: str) -> dict:
+    [d] = [d for d in of_kind(kind) if d["metadata"]["name"] == name]
+    return d
+
+
+def tandem_commands(script: str) -> list[list[str]]:
+    """Each `tandem ...` invocation in a shell script, as argv (after `tandem`)."""
+    found = []
+    for part in re.split(r"&&|\|\||;|&|\n", script):
+        words = shlex.split(part)
+        if words[:1] == ["exec"]:
+            words = words[1:]
+        if words[:1] == ["tandem"]:
+            found.append(words[1:])
+    return found
+
+
+def containers() -> list[tuple[str, dict, dict]]:
+    """(group, pod spec, container) for every container of the RayCluster."""
+    [rc] = of_kind("RayCluster")
+    groups = [("head", rc["spec"]["headGroupSpec"])]
+    groups += [(g["groupName"], g) for g in rc["spec"]["workerGroupSpecs"]]
+    pods = [(name, g["template"]["spec"]) for name, g in groups]
+    return [(name, pod, c) for name, pod in pods for c in pod["containers"]]
+
+
+def mounted_config() -> ClusterConfig:
+    text = named("ConfigMap", "tandem-config")["data"]["cluster.yaml"]
+    return config_io.build(ClusterConfig, yaml.safe_load(text), "tandem-config/cluster.yaml")
+
+
+def test_every_manifest_parses_and_the_local_config_is_valid():
+    assert {d["kind"] for d in docs()} >= {"ConfigMap", "RayCluster", "Service", "StatefulSet"}
+    local = yaml.safe_load((DEPLOY / "local" / "cluster.yaml").read_text())
+    config_io.build(ClusterConfig, local, "deploy/local/cluster.yaml")
+    cfg = mounted_config()
+    assert cfg.mode == "disaggregated" and cfg.engine.device == "cuda"
+
+
+def test_every_tandem_command_parses_and_its_config_file_is_mounted():
+    parser = build_parser()
+    seen = 0
+    for _, pod, c in containers():
+        script = " ".join([*c.get("command", []), *c.get("args", [])])
+        for argv in tandem_commands(script):
+            seen += 1
+            args = parser.parse_args(argv)  # an unknown command or flag exits here
+            if getattr(args, "config", None):
+                mount = next(
+                    m for m in c["volumeMounts"] if args.config.startswith(m["mountPath"] + "/")
+                )
+                volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+                key = args.config[len(mount["mountPath"]) + 1 :]
+                assert key in named("ConfigMap", volume["configMap"]["name"])["data"]
+    assert seen >= 1, "no container runs tandem"
+    # The Dockerfile's own command, and the install script it runs, exist.
+    dockerfile = (KUBERAY / "Dockerfile").read_text()
+    assert "bash deploy/local/install.sh" in dockerfile
+    assert (DEPLOY / "local" / "install.sh").is_file()
+    cmd = json.loads(re.search(r"^CMD (\[.*\])$", dockerfile, re.M).group(1))
+    assert cmd[0] == "tandem"
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(cmd[1:])
+    assert e.value.code == 0
+
+
+def test_ports_redis_and_the_router_service_agree_with_the_config():
+    cfg = mounted_config()
+    router_ports = {cfg.router.port, cfg.router.http_port}
+    assert cfg.router.host == "0.0.0.0"  # reachable through the Service
+    service = named("Service", "tandem-router")
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == router_ports
+    assert service["spec"]["selector"]["ray.io/node-type"] == "head"
+    [head] = [c for group, _, c in containers() if group == "head"]
+    assert router_ports <= {p["containerPort"] for p in head["ports"]}
+    dockerfile = (KUBERAY / "Dockerfile").read_text()
+    exposed = {int(p) for p in re.search(r"^EXPOSE (.*)$", dockerfile, re.M).group(1).split()}
+    assert router_ports <= exposed
+    # Redis: the URL names the Service, whose port reaches a server with its AOF on a volume.
+    url = re.match(r"redis://([^:/]+):(\d+)/", cfg.redis.url)
+    redis_service = named("Service", url.group(1))
+    assert int(url.group(2)) in {p["port"] for p in redis_service["spec"]["ports"]}
+    sts = named("StatefulSet", url.group(1))
+    [redis] = sts["spec"]["template"]["spec"]["containers"]
+    args = redis["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    data_dir = args[args.index("--dir") + 1]
+    claims = {t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]}
+    assert any(m["mountPath"] == data_dir and m["name"] in claims for m in redis["volumeMounts"])
+
+
+def test_each_pool_lands_on_its_own_worker_group():
+    """The pools' custom Ray resources exist on exactly their group's nodes, with the CPUs
+    and GPUs a worker declares."""
+    cfg = mounted_config()
+    [rc] = of_kind("RayCluster")
+    groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
+    assert set(groups) == {"prefill", "decode"}
+    for name, group in groups.items():
+        pool = getattr(cfg, name)
+        params = group["rayStartParams"]
+        custom = json.loads(json.loads(params.get("resources", '"{}"')))
+        assert custom == pool.resources, name  # e.g. {"prefill": 1} on prefill nodes only
+        assert float(params["num-cpus"]) >= pool.cpus
+        assert float(params.get("num-gpus", 0)) >= pool.gpus
+        [c] = group["template"]["spec"]["containers"]
+        assert float(c["resources"]["limits"].get("nvidia.com/gpu", 0)) == float(
+            params.get("num-gpus", 0)
+        )
+        assert 1 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+        assert "$KUBERAY_GEN_RAY_START_CMD" in " ".join(c["args"])
