@@ -1,7 +1,8 @@
 """The deployment files cannot rot silently: every manifest parses; every `tandem` command they
-run parses with the CLI's own parser; the config they mount is a valid cluster config; and the
+run parses with the CLI's own parser; the config they mount is a valid cluster config; the
 ports, Ray resources, GPUs, Redis address and mounted paths they name agree with that config
-and with each other."""
+and with each other; and the Grafana dashboard plots every series the code records, and no
+other."""
 
 import json
 import re
@@ -138,3 +139,32 @@ def test_each_pool_lands_on_its_own_worker_group():
         )
         assert 1 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
         assert "$KUBERAY_GEN_RAY_START_CMD" in " ".join(c["args"])
+
+
+def defined_series() -> tuple[set[str], set[str]]:
+    """(counter and gauge names, histogram names) that the code records."""
+    root = DEPLOY.parent
+    text = (root / "workers" / "metrics.py").read_text() + (
+        root / "router" / "metrics.py"
+    ).read_text()
+    plain = set(re.findall(r'(?:counter|gauge)\(\s*"(tandem_\w+)"', text))
+    hists = set(re.findall(r'histogram\(\s*"(tandem_\w+)"', text))
+    return plain, hists
+
+
+def test_the_grafana_dashboard_plots_every_series_and_only_real_ones():
+    dash = json.loads((DEPLOY / "grafana" / "tandem_grafana_dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [v["query"]["query"] for v in dash["templating"]["list"] if v["type"] == "query"]
+    used = {m for e in exprs for m in re.findall(r"ray_(tandem_\w+)", e)}
+    plain, hists = defined_series()
+    real = plain | {h + s for h in hists for s in ("_bucket", "_count", "_sum")}
+    assert used <= real, f"the dashboard plots series no code records: {used - real}"
+    covered = {re.sub(r"_(bucket|count|sum)$", "", u) for u in used}
+    assert plain | hists <= covered, f"series without a panel: {(plain | hists) - covered}"
+    # Ray's Grafana integration: a templated Prometheus data source, and unique panel ids.
+    assert any(
+        v["name"] == "datasource" and v["type"] == "datasource" for v in dash["templating"]["list"]
+    )
+    assert all(p["datasource"]["uid"] == "${datasource}" for p in dash["panels"])
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
