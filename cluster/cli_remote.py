@@ -153,6 +153,8 @@ def print_status(s: dict) -> None:
     for pool, p in s["pools"].items():
         starting = f", {p['starting']} starting" if p["starting"] else ""
         print(f"{pool} pool: {p['live']}/{p['target']} live{starting}, {p['restarts']} restarts")
+        if p.get("autoscale"):
+            print(f"  autoscale: {p['autoscale']}")
     for pool in ("prefill", "decode"):
         for w in s[pool]:
             print(

@@ -20,6 +20,7 @@ from pathlib import Path
 import ray
 
 from cluster import config_io
+from cluster.autoscale import Autoscaler
 from cluster.config import ClusterConfig
 from cluster.pools import NAMESPACE, PoolManager, PoolSpec, pool_engine
 from cluster.redis_server import EmbeddedRedis
@@ -158,6 +159,17 @@ class Cluster:
             cfg.router.host,
         )
         progress(f"router {self.router.id} listening on {self.address}")
+        autoscale = {p: cfg.pool(p).autoscale for p in cfg.pools}
+        if any(a.enabled for a in autoscale.values()):
+            scaler = Autoscaler(self.router, self.pools, autoscale, lambda: self.controller.leader)
+            self.router.add_task(scaler.run_forever())
+            for p, a in autoscale.items():
+                if a.enabled:
+                    signal, target = a.resolved(p)
+                    progress(
+                        f"autoscaling the {p.value} pool on {signal} (target {target:g}), "
+                        f"{a.min_replicas}..{a.max_replicas} workers"
+                    )
         if cfg.router.http_port is not None:
             front = OpenAIFront(
                 self.router,

@@ -27,6 +27,53 @@ def _h(text: str, **more) -> dict:
     return {"help": text, **more}
 
 
+# The signals a pool may scale on, and each one's default target (per worker).
+SIGNALS = {
+    Pool.PREFILL: {"queued_prefill_tokens": 2048.0, "ttft_p90": 1.0},
+    Pool.DECODE: {"kv_blocks_used": 0.7, "tpot_p90": 0.1},
+}
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    """Off unless enabled. Every second the controller router reads the pool's signal; the
+    pool is sized to ceil(workers x signal / target) within [min_replicas, max_replicas],
+    shrinking one worker at a time (by draining), and not within cooldown_s of its last
+    change."""
+
+    enabled: bool = field(default=False, metadata=_h("size the pool on its signal"))
+    min_replicas: int = field(default=1, metadata=_h("fewest workers"))
+    max_replicas: int = field(default=4, metadata=_h("most workers"))
+    signal: str = field(
+        default="",
+        metadata=_h(
+            "prefill: queued_prefill_tokens (per worker) or ttft_p90 (s); decode: "
+            "kv_blocks_used (fraction) or tpot_p90 (s) (default: the first)"
+        ),
+    )
+    target: float = field(
+        default=0.0,
+        metadata=_h("the signal's value to hold (default: 2048 tokens, 1 s, 0.7, 0.1 s)"),
+    )
+    cooldown_s: float = field(
+        default=60.0, metadata=_h("seconds between two changes of the pool (against flapping)")
+    )
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(
+                f"min_replicas={self.min_replicas}, max_replicas={self.max_replicas}: "
+                "need 1 <= min_replicas <= max_replicas"
+            )
+        if self.target < 0 or self.cooldown_s < 0:
+            raise ValueError(f"target={self.target}, cooldown_s={self.cooldown_s}: must be >= 0")
+
+    def resolved(self, pool: Pool) -> tuple[str, float]:
+        """(signal, target) with the pool's defaults filled in."""
+        signal = self.signal or next(iter(SIGNALS[pool]))
+        return signal, self.target or SIGNALS[pool][signal]
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     replicas: int = field(default=1, metadata=_h("workers in the pool", aliases=("--{section}",)))
@@ -39,6 +86,7 @@ class PoolConfig:
         default_factory=dict,
         metadata=_h("custom Ray resources each worker needs, e.g. prefill=1 (name=value,...)"),
     )
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
@@ -115,6 +163,13 @@ class ClusterConfig:
             raise bad("decode.replicas", "at least one decode worker is needed")
         if self.transfer_timeout_s <= 0:
             raise bad("transfer_timeout_s", "must be positive")
+        for pool in (Pool.PREFILL, Pool.DECODE):
+            a = self.pool(pool).autoscale
+            if a.signal and a.signal not in SIGNALS[pool]:
+                raise bad(
+                    f"{pool.value}.autoscale.signal",
+                    f"{a.signal!r}: choose {' or '.join(SIGNALS[pool])}",
+                )
         if self.metrics_export_port is not None and not 0 < self.metrics_export_port < 65536:
             raise bad("metrics_export_port", "must be a TCP port")
 

@@ -70,6 +70,7 @@ class PoolManager:
         self._listeners: list[Listener] = []
         self._discovering: set[str] = set()  # named actors found, not yet answering
         self.control = False  # may stop workers: once this router's controller holds the lease
+        self.autoscale_notes: dict[Pool, str] = {}  # each pool's last autoscaling decision
 
     # -- the directory ----------------------------------------------------------------------
     def members(self, pool: Pool, include_dead: bool = False) -> list[WorkerRef]:
@@ -97,7 +98,12 @@ class PoolManager:
     def pool_status(self) -> list[PoolStatus]:
         return [
             PoolStatus(
-                p, self.targets.get(p, 0), len(self.members(p)), self.starting(p), self.restarts[p]
+                p,
+                self.targets.get(p, 0),
+                len(self.members(p)),
+                self.starting(p),
+                self.restarts[p],
+                self.autoscale_notes.get(p, ""),
             )
             for p in Pool
         ]

@@ -58,7 +58,12 @@ def worker_status(s: WorkerStatus) -> pb.WorkerStatus:
 
 def pool_status(p: PoolStatus) -> pb.PoolStatus:
     return pb.PoolStatus(
-        pool=p.pool.value, target=p.target, live=p.live, starting=p.starting, restarts=p.restarts
+        pool=p.pool.value,
+        target=p.target,
+        live=p.live,
+        starting=p.starting,
+        restarts=p.restarts,
+        autoscale=p.autoscale,
     )
 
 
@@ -93,6 +98,7 @@ def status_to_dict(s: pb.StatusResponse) -> dict:
                 "live": p.live,
                 "starting": p.starting,
                 "restarts": p.restarts,
+                "autoscale": p.autoscale,
             }
             for p in s.pools
         },

@@ -193,7 +193,7 @@ class Router:
                 )
                 continue
             load = self.loads.setdefault(w.name, WorkerLoad(w.name))
-            load.kv_blocks_free = s.kv_blocks_free
+            load.kv_blocks_free, load.kv_blocks_total = s.kv_blocks_free, s.kv_blocks_total
             load.running = s.running + s.waiting + s.reserved
             load.draining = s.draining or w.draining
             load.queued_tokens = s.queued_prefill_tokens

@@ -5,8 +5,11 @@ pool scale events (operator scales and drains, and dead workers replaced)."""
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from workers.metrics import counter, gauge, histogram
+
+WINDOW_S = 60.0  # the recent latencies an autoscaler reads
 
 
 class RouterMetrics:
@@ -29,6 +32,21 @@ class RouterMetrics:
             "pool changes: scale, drain, replace",
             (*t, "pool", "event"),
         )
+        # (when, seconds) of this router's recent first tokens and per-request TPOTs.
+        self.recent: dict[str, deque[tuple[float, float]]] = {"ttft": deque(), "tpot": deque()}
+
+    def note(self, kind: str, seconds: float) -> None:
+        now = time.monotonic()
+        q = self.recent[kind]
+        q.append((now, seconds))
+        while q and now - q[0][0] > WINDOW_S:
+            q.popleft()
+
+    def p90(self, kind: str) -> float | None:
+        """The 90th percentile over the last WINDOW_S seconds; None with no sample."""
+        now = time.monotonic()
+        values = sorted(v for t, v in self.recent[kind] if now - t <= WINDOW_S)
+        return values[int(0.9 * (len(values) - 1))] if values else None
 
     def replayed(self) -> None:
         self.replays.inc(1, self.tags)
@@ -50,7 +68,9 @@ class StreamTimer:
     def __init__(self, m: RouterMetrics) -> None:
         self.m = m
         self.t0 = time.monotonic()
+        self.first: dict[int, float] = {}
         self.last: dict[int, float] = {}
+        self.tokens: dict[int, int] = {}
 
     def chunk(self, index: int, tokens: int, finished: bool, status: str) -> None:
         now = time.monotonic()
@@ -59,10 +79,16 @@ class StreamTimer:
             before = self.last.get(index)
             if before is None:
                 self.m.ttft.observe(now - self.t0, tags)
+                self.m.note("ttft", now - self.t0)
+                self.first[index] = now
             else:  # a chunk of k tokens: k gaps of equal share
                 for _ in range(tokens):
                     self.m.itl.observe((now - before) / tokens, tags)
             self.last[index] = now
+            self.tokens[index] = self.tokens.get(index, 0) + tokens
         if finished:
             self.m.e2e.observe(now - self.t0, tags)
             self.m.requests.inc(1, {**tags, "status": status})
+            n = self.tokens.get(index, 0)
+            if n > 1:
+                self.m.note("tpot", (self.last[index] - self.first[index]) / (n - 1))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 class WorkerLoad:
     name: str
     kv_blocks_free: int | None = None  # None: not reported yet (the worker just joined)
+    kv_blocks_total: int | None = None
     running: int = 0
     queued_tokens: int = 0  # prefill: prompt tokens sent and not yet prefilled
     alive: bool = True

@@ -79,6 +79,7 @@ class PoolStatus:
     live: int
     starting: int = 0  # workers being started (a scale-up or a replacement)
     restarts: int = 0  # dead workers replaced since the cluster started
+    autoscale: str = ""  # the last autoscaling decision, with its reason
 
 
 @dataclass(frozen=True)

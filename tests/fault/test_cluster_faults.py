@@ -61,7 +61,13 @@ def test_killed_lone_decode_worker_is_replaced_and_its_stream_ends_whole(cluster
     assert got == want.token_ids and final.finish_reason == "length"  # whole, exactly once
     assert after_kill < 120
     s = cluster.status()
-    assert s["pools"]["decode"] == {"target": 1, "live": 1, "starting": 0, "restarts": 1}
+    assert s["pools"]["decode"] == {
+        "target": 1,
+        "live": 1,
+        "starting": 0,
+        "restarts": 1,
+        "autoscale": "",
+    }
     assert [w["name"] for w in s["decode"] if w["alive"]] == ["decode-1"]
     assert s["router"]["replays_total"] >= 1 and s["router"]["replays_recovered"] >= 1
 

@@ -100,8 +100,20 @@ def test_scale_up_then_drain_back_while_24_streams_run(cluster):
         assert r.status == "OK" and r.finish_reason == "length", r.error
         assert len(r.token_ids) == MAX_TOKENS  # none short
     s = cluster.wait_all_free()
-    assert s["pools"]["prefill"] == {"target": 1, "live": 1, "starting": 0, "restarts": 0}
-    assert s["pools"]["decode"] == {"target": 1, "live": 1, "starting": 0, "restarts": 0}
+    assert s["pools"]["prefill"] == {
+        "target": 1,
+        "live": 1,
+        "starting": 0,
+        "restarts": 0,
+        "autoscale": "",
+    }
+    assert s["pools"]["decode"] == {
+        "target": 1,
+        "live": 1,
+        "starting": 0,
+        "restarts": 0,
+        "autoscale": "",
+    }
     for w in s["prefill"] + s["decode"]:
         assert w["alive"] and w["kv_blocks_free"] == w["kv_blocks_total"], w
     assert s["router"]["replays_total"] == 0  # drained, not failed over

@@ -1,0 +1,119 @@
+"""Autoscaling of the prefill and decode pools, each on its own signal (see AutoscaleConfig).
+
+Only the controller router acts (the one holding the lease), once a second:
+
+    prefill: queued_prefill_tokens  prompt tokens accepted and not yet computed, per worker
+             ttft_p90               this router's time to first token, p90 over the last minute
+    decode:  kv_blocks_used         fraction of the KV cache in use, mean over workers
+             tpot_p90               this router's time per output token, p90 over the last minute
+
+    wanted = ceil(workers x signal / target), within [min_replicas, max_replicas]
+
+A pool grows to `wanted` at once and shrinks by one worker at a time, drained (no request is
+lost); it is left alone while a change is under way and for cooldown_s after one ends. Each
+decision is logged with its reason, counted in tandem_scale_events_total and shown by
+`tandem status`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from workers.messages import Pool
+
+if TYPE_CHECKING:
+    from cluster.config import AutoscaleConfig
+    from cluster.pools import PoolManager
+    from router.core import Router
+
+log = logging.getLogger(__name__)
+
+
+class Autoscaler:
+    def __init__(
+        self,
+        router: Router,
+        pools: PoolManager,
+        configs: dict[Pool, AutoscaleConfig],
+        is_controller: Callable[[], bool],
+        interval_s: float = 1.0,
+    ) -> None:
+        self.router, self.pools = router, pools
+        self.configs = {p: c for p, c in configs.items() if c.enabled}
+        self.is_controller = is_controller
+        self.interval_s = interval_s
+        self.changed_at: dict[Pool, float] = {}
+        self.busy: dict[Pool, asyncio.Task] = {}
+
+    async def run_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            if not self.is_controller():
+                continue
+            try:
+                self.tick()
+            except Exception:
+                log.exception("autoscaling round failed")
+
+    def signal(self, pool: Pool, name: str) -> float | None:
+        """The pool's signal now; None when there is nothing to read yet."""
+        members = [w.name for w in self.pools.members(pool)]
+        loads = [self.router.loads[n] for n in members if n in self.router.loads]
+        if name == "queued_prefill_tokens":
+            return sum(w.queued_tokens for w in loads) / max(len(members), 1)
+        if name == "kv_blocks_used":
+            used = [
+                1 - w.kv_blocks_free / w.kv_blocks_total
+                for w in loads
+                if w.kv_blocks_total and w.kv_blocks_free is not None
+            ]
+            return sum(used) / len(used) if used else None
+        p90 = self.router.metrics.p90("ttft" if name == "ttft_p90" else "tpot")
+        return 0.0 if p90 is None else p90  # no traffic in the last minute: nothing to serve
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        for pool, cfg in self.configs.items():
+            task = self.busy.get(pool)
+            if task is not None and not task.done():
+                continue
+            if now - self.changed_at.get(pool, -math.inf) < cfg.cooldown_s:
+                continue
+            if self.pools.starting(pool) or any(w.draining for w in self.pools.members(pool)):
+                continue
+            name, target = cfg.resolved(pool)
+            value = self.signal(pool, name)
+            if value is None:
+                continue
+            live = len(self.pools.members(pool))
+            wanted = math.ceil(live * value / target) if live else cfg.min_replicas
+            wanted = min(max(wanted, cfg.min_replicas), cfg.max_replicas)
+            if wanted < live:
+                wanted = live - 1  # shrink gently: one drained worker at a time
+            if wanted == live:
+                continue
+            self._change(pool, live, wanted, f"{name} {value:.3g} vs target {target:g}")
+
+    def _change(self, pool: Pool, live: int, wanted: int, reason: str) -> None:
+        up = wanted > live
+        note = f"{pool.value} pool {'grows' if up else 'shrinks'} {live} -> {wanted}: {reason}"
+        log.warning("autoscale: %s", note)
+        self.pools.autoscale_notes[pool] = f"{time.strftime('%H:%M:%S')} {note}"
+        self.router.metrics.scaled(pool.value, "autoscale_up" if up else "autoscale_down")
+
+        async def apply() -> None:
+            try:
+                await self.pools.scale(pool, wanted)
+            except Exception as e:  # e.g. not enough Ray resources: said, tried again later
+                log.error("autoscale: %s pool to %d failed: %s", pool.value, wanted, e)
+                self.pools.autoscale_notes[pool] += f" (failed: {e})"
+            finally:
+                self.changed_at[pool] = time.monotonic()  # the cool-down starts at the end
+
+        self.changed_at[pool] = time.monotonic()
+        self.busy[pool] = asyncio.get_running_loop().create_task(apply())
