@@ -24,6 +24,8 @@ def other_value(leaf: config_io.Leaf):
         "engine.max_model_len": 1024,
         "redis.url": "rediss://:s3cret@redis.example:6380/2",
         "router.port": 6000,
+        "prefill.autoscale.signal": "ttft_p90",
+        "decode.autoscale.signal": "tpot_p90",
     }
     if leaf.name in special:
         return special[leaf.name]
