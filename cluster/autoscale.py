@@ -9,10 +9,17 @@ Only the controller router acts (the one holding the lease), once a second:
 
     wanted = ceil(workers x signal / target), within [min_replicas, max_replicas]
 
-A pool grows to `wanted` at once and shrinks by one worker at a time, drained (no request is
-lost); it is left alone while a change is under way and for cooldown_s after one ends. Each
-decision is logged with its reason, counted in tandem_scale_events_total and shown by
-`tandem status`.
+A change is made once CONFIRM readings in a row (a second apart) call for it, so one long
+prompt does not resize a pool. A pool grows to `wanted` at once and shrinks by one worker at a
+time, drained within drain_timeout_s (what is left is replayed, nothing lost); it is left alone
+while a change or any other scale, drain or healing is under way, and for cooldown_s after one
+ends or after this controller took over. A manual `tandem scale` beyond the bounds is brought
+back within them. Each decision is logged with its reason, counted in
+tandem_scale_events_total once applied, and shown by `tandem status` under its pool.
+
+The latency signals are those of the controller router's own streams: with several routers
+behind a load balancer, prefer queued_prefill_tokens and kv_blocks_used, which every worker
+reports.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ if TYPE_CHECKING:
     from router.core import Router
 
 log = logging.getLogger(__name__)
+CONFIRM = 3
 
 
 class Autoscaler:
@@ -49,12 +57,18 @@ class Autoscaler:
         self.interval_s = interval_s
         self.changed_at: dict[Pool, float] = {}
         self.busy: dict[Pool, asyncio.Task] = {}
+        self.leading_since: float | None = None
+        self.calls: dict[Pool, tuple[int, int]] = {}  # pool -> (wanted, readings in a row)
 
     async def run_forever(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
             if not self.is_controller():
+                self.leading_since = None
                 continue
+            if self.leading_since is None:  # new in the role: a cool-down before acting
+                self.leading_since = time.monotonic()
+                self.changed_at = {p: self.leading_since for p in self.configs}
             try:
                 self.tick()
             except Exception:
@@ -84,7 +98,11 @@ class Autoscaler:
                 continue
             if now - self.changed_at.get(pool, -math.inf) < cfg.cooldown_s:
                 continue
-            if self.pools.starting(pool) or any(w.draining for w in self.pools.members(pool)):
+            if (
+                self.pools.changing(pool)
+                or self.pools.starting(pool)
+                or any(w.draining for w in self.pools.members(pool))
+            ):
                 continue
             name, target = cfg.resolved(pool)
             value = self.signal(pool, name)
@@ -96,22 +114,32 @@ class Autoscaler:
             if wanted < live:
                 wanted = live - 1  # shrink gently: one drained worker at a time
             if wanted == live:
+                self.calls.pop(pool, None)
                 continue
-            self._change(pool, live, wanted, f"{name} {value:.3g} vs target {target:g}")
+            before, count = self.calls.get(pool, (wanted, 0))
+            count = count + 1 if before == wanted else 1
+            self.calls[pool] = (wanted, count)
+            if count < CONFIRM:
+                continue
+            del self.calls[pool]
+            reason = f"{name} {value:.3g} vs target {target:g}"
+            self._change(pool, live, wanted, reason, cfg.drain_timeout_s)
 
-    def _change(self, pool: Pool, live: int, wanted: int, reason: str) -> None:
+    def _change(self, pool: Pool, live: int, wanted: int, reason: str, drain_s: float) -> None:
         up = wanted > live
         note = f"{pool.value} pool {'grows' if up else 'shrinks'} {live} -> {wanted}: {reason}"
         log.warning("autoscale: %s", note)
         self.pools.autoscale_notes[pool] = f"{time.strftime('%H:%M:%S')} {note}"
-        self.router.metrics.scaled(pool.value, "autoscale_up" if up else "autoscale_down")
 
         async def apply() -> None:
             try:
-                await self.pools.scale(pool, wanted)
+                await self.pools.scale(pool, wanted, drain_timeout_s=drain_s)
+                event = "autoscale_up" if up else "autoscale_down"
+                self.router.metrics.scaled(pool.value, event)
             except Exception as e:  # e.g. not enough Ray resources: said, tried again later
                 log.error("autoscale: %s pool to %d failed: %s", pool.value, wanted, e)
                 self.pools.autoscale_notes[pool] += f" (failed: {e})"
+                await self.pools.save()
             finally:
                 self.changed_at[pool] = time.monotonic()  # the cool-down starts at the end
 

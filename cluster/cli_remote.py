@@ -95,7 +95,11 @@ async def _admin(args, what: str, calls) -> int:
 async def _scale(args) -> int:
     from router.api import tandem_pb2 as pb
 
-    sizes = [(pool, n) for pool, n in (("prefill", args.prefill), ("decode", args.decode)) if n]
+    sizes = [
+        (pool, n)
+        for pool, n in (("prefill", args.prefill), ("decode", args.decode))
+        if n is not None
+    ]
     if not sizes:
         print("tandem scale: give --prefill N and/or --decode N", file=sys.stderr)
         return 2

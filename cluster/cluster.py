@@ -129,6 +129,10 @@ class Cluster:
             transfer_host=None if cfg.ray_address else _transfer_host(cfg.router.host),
             transfer_timeout_s=cfg.transfer_timeout_s,
             store=self.store,
+            # A Ray cluster of several nodes may grow (KubeRay's autoscaler adds a pod for a
+            # pending actor): there a worker waits for its resources; on a local Ray it
+            # fails at once, naming what is short.
+            pending_ok=bool(cfg.ray_address),
         )
         if self.join:
             progress("finding the cluster's workers")

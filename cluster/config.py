@@ -36,10 +36,11 @@ SIGNALS = {
 
 @dataclass(frozen=True)
 class AutoscaleConfig:
-    """Off unless enabled. Every second the controller router reads the pool's signal; the
-    pool is sized to ceil(workers x signal / target) within [min_replicas, max_replicas],
-    shrinking one worker at a time (by draining), and not within cooldown_s of its last
-    change."""
+    """Off unless enabled. Every second the controller router reads the pool's signal; once
+    three readings in a row call for the same change, the pool is sized to ceil(workers x
+    signal / target) within [min_replicas, max_replicas], shrinking one worker at a time (by
+    draining), and never within cooldown_s of its last change (or of the controller's
+    start)."""
 
     enabled: bool = field(default=False, metadata=_h("size the pool on its signal"))
     min_replicas: int = field(default=1, metadata=_h("fewest workers"))
@@ -58,6 +59,10 @@ class AutoscaleConfig:
     cooldown_s: float = field(
         default=60.0, metadata=_h("seconds between two changes of the pool (against flapping)")
     )
+    drain_timeout_s: float = field(
+        default=300.0,
+        metadata=_h("how long a worker being removed may finish its requests before replay"),
+    )
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.max_replicas:
@@ -65,8 +70,11 @@ class AutoscaleConfig:
                 f"min_replicas={self.min_replicas}, max_replicas={self.max_replicas}: "
                 "need 1 <= min_replicas <= max_replicas"
             )
-        if self.target < 0 or self.cooldown_s < 0:
-            raise ValueError(f"target={self.target}, cooldown_s={self.cooldown_s}: must be >= 0")
+        if self.target < 0 or self.cooldown_s < 0 or self.drain_timeout_s <= 0:
+            raise ValueError(
+                f"target={self.target}, cooldown_s={self.cooldown_s}: must be >= 0; "
+                f"drain_timeout_s={self.drain_timeout_s}: must be > 0"
+            )
 
     def resolved(self, pool: Pool) -> tuple[str, float]:
         """(signal, target) with the pool's defaults filled in."""

@@ -53,8 +53,13 @@ class PoolManager:
         start_timeout_s: float = 300.0,
         namespace: str = NAMESPACE,
         store=None,
+        pending_ok: bool = False,
     ) -> None:
+        """`pending_ok`: a worker may wait for Ray to offer its resources (up to
+        start_timeout_s), as on a cluster whose autoscaler adds nodes for pending actors;
+        otherwise a start without the resources free fails at once, naming the shortfall."""
         self.specs = specs
+        self.pending_ok = pending_ok
         self.store = store  # where targets and restarts are shared (cluster.state.RedisStore)
         self.token_log = token_log
         self.transfer_host = transfer_host
@@ -71,6 +76,8 @@ class PoolManager:
         self._discovering: set[str] = set()  # named actors found, not yet answering
         self.control = False  # may stop workers: once this router's controller holds the lease
         self.autoscale_notes: dict[Pool, str] = {}  # each pool's last autoscaling decision
+        # One change of a pool at a time: a scale, a drain or a healing round.
+        self._locks = {p: asyncio.Lock() for p in Pool}
 
     # -- the directory ----------------------------------------------------------------------
     def members(self, pool: Pool, include_dead: bool = False) -> list[WorkerRef]:
@@ -88,6 +95,10 @@ class PoolManager:
     def _notify(self, event: PoolEvent, w: WorkerRef) -> None:
         for fn in self._listeners:
             fn(event, w)
+
+    def changing(self, pool: Pool) -> bool:
+        """A scale, drain or healing round is changing the pool now."""
+        return self._locks[pool].locked()
 
     def starting(self, pool: Pool) -> int:
         """Workers being started here, or found starting (another router's, not answering
@@ -147,7 +158,12 @@ class PoolManager:
         spec = self.specs[pool]
         self._starting[pool] += 1
         try:
-            await self._check_resources(spec)
+            if not await self._check_resources(spec, wait_s=0.0 if self.pending_ok else 5.0):
+                log.warning(
+                    "a new %s worker waits for Ray to offer its resources (up to %.0f s)",
+                    pool.value,
+                    self.start_timeout_s,
+                )
             for _ in range(8):  # a name still held by a dead actor: take the next
                 name = self._new_name(pool)
                 try:
@@ -199,17 +215,20 @@ class PoolManager:
             .remote(**kwargs)
         )
 
-    async def _check_resources(self, spec: PoolSpec, wait_s: float = 5.0) -> None:
-        """Fail now, naming the shortfall, rather than leave an actor pending for resources.
-        A worker that was just stopped frees its resources a moment later: wait that long."""
+    async def _check_resources(self, spec: PoolSpec, wait_s: float = 5.0) -> bool:
+        """True once the Ray cluster has the resources a worker needs free. Past `wait_s`
+        (a worker just stopped frees its resources a moment later): False when workers may
+        wait for resources (pending_ok), else a ValueError naming the shortfall."""
         deadline = time.monotonic() + wait_s
         while True:
             free = ray.available_resources()
             needs = [("CPU", spec.cpus), ("GPU", spec.gpus), *spec.resources]
             short = [(k, n) for k, n in needs if n > 0 and free.get(k, 0.0) + 1e-9 < n]
             if not short:
-                return
+                return True
             if time.monotonic() > deadline:
+                if self.pending_ok:
+                    return False
                 key, need = short[0]
                 raise ValueError(
                     f"not enough {key} in the Ray cluster for another worker: it needs "
@@ -224,6 +243,8 @@ class PoolManager:
         failed: then a later round tries again)."""
         jobs = []
         for pool, target in self.targets.items():
+            if self._locks[pool].locked():  # a scale or drain is changing it
+                continue
             missing = target - len(self.members(pool)) - self.starting(pool)
             if missing <= 0:
                 continue
@@ -237,11 +258,15 @@ class PoolManager:
                 target,
                 missing,
             )
-            jobs += [
-                self._replace(pool, dead[i] if i < len(dead) else None) for i in range(missing)
-            ]
+            jobs.append(self._heal_pool(pool, dead, missing))
         if jobs:
             await asyncio.gather(*jobs)
+
+    async def _heal_pool(self, pool: Pool, dead: list[WorkerRef], missing: int) -> None:
+        async with self._locks[pool]:
+            await asyncio.gather(
+                *(self._replace(pool, dead[i] if i < len(dead) else None) for i in range(missing))
+            )
 
     async def _replace(self, pool: Pool, dead: WorkerRef | None) -> None:
         try:
@@ -269,6 +294,7 @@ class PoolManager:
         state = {
             "targets": {p.value: n for p, n in self.targets.items()},
             "restarts": {p.value: n for p, n in self.restarts.items()},
+            "autoscale": {p.value: note for p, note in self.autoscale_notes.items()},
         }
         try:
             await asyncio.wait_for(self.store.put_json(POOLS_KEY, state), 5)
@@ -289,6 +315,8 @@ class PoolManager:
                 self.targets[p] = int(state["targets"][p.value])
             if state and p.value in state.get("restarts", {}):
                 self.restarts[p] = int(state["restarts"][p.value])
+            if state and p.value in state.get("autoscale", {}) and not self.control:
+                self.autoscale_notes[p] = state["autoscale"][p.value]
 
     async def refresh(self) -> None:
         """Learn of workers another router's pool manager started, of ones now gone, and of
@@ -330,41 +358,87 @@ class PoolManager:
     async def scale(self, pool: Pool, replicas: int, drain_timeout_s: float = 60.0) -> list[str]:
         if replicas < 0:
             raise ValueError(f"replicas={replicas}: must be >= 0")
-        self.targets[pool] = replicas
-        await self.save()
-        live = self.members(pool)
-        dead = [w for w in self.members(pool, include_dead=True) if not w.alive]
-        for w in dead:  # a scale is a fresh start: dead members are not shown any more
-            self.workers[pool].pop(w.name, None)
-        if replicas > len(live):
-            await asyncio.gather(*(self.spawn(pool) for _ in range(replicas - len(live))))
-        for w in sorted(live, key=lambda w: w.name, reverse=True)[: max(0, len(live) - replicas)]:
-            await self.drain(w.name, drain_timeout_s)
-        return [w.name for w in self.members(pool)]
+        async with self._locks[pool]:
+            self.targets[pool] = replicas
+            await self.save()
+            live = self.members(pool)
+            dead = [w for w in self.members(pool, include_dead=True) if not w.alive]
+            for w in dead:  # a scale is a fresh start: dead members are not shown any more
+                self.workers[pool].pop(w.name, None)
+            grow = replicas - len(live) - self.starting(pool)
+            if grow > 0:
+                started = await asyncio.gather(
+                    *(self.spawn(pool) for _ in range(grow)), return_exceptions=True
+                )
+                failed = [e for e in started if isinstance(e, BaseException)]
+                if failed:  # what could start stays; the target says what is there
+                    self.targets[pool] = len(self.members(pool))
+                    await self.save()
+                    raise ValueError(f"{len(failed)} of {grow} workers did not start: {failed[0]}")
+            shrink = sorted(live, key=lambda w: w.name, reverse=True)
+            for w in shrink[: max(0, len(live) - replicas)]:
+                await self._drain(w.name, drain_timeout_s)
+            return [w.name for w in self.members(pool)]
 
     async def drain(self, name: str, timeout_s: float) -> tuple[bool, str]:
         """Stop routing to a worker, wait for its requests to end, then stop it."""
         w = self.get(name)
         if w is None:
             return False, f"no worker named {name}"
+        async with self._locks[w.pool]:
+            return await self._drain(name, timeout_s)
+
+    async def _drain(self, name: str, timeout_s: float) -> tuple[bool, str]:
+        w = self.get(name)
+        if w is None:
+            return False, f"no worker named {name}"
+        before = self.targets.get(w.pool, 0)
         w.draining = True
         others = [m for m in self.members(w.pool) if m is not w and not m.draining]
-        self.targets[w.pool] = min(self.targets.get(w.pool, 0), len(others))  # it shrinks
-        await self.save()
-        await w.handle.set_draining.remote(True)
-        deadline = time.monotonic() + timeout_s
-        idle = False
-        while time.monotonic() < deadline:
-            s = await asyncio.wait_for(w.handle.status.remote(), 30)
-            if s.idle:
-                idle = True
-                break
-            await asyncio.sleep(0.2)
+        self.targets[w.pool] = min(before, len(others))  # it shrinks
+        try:
+            await self.save()
+            await w.handle.set_draining.remote(True)
+            deadline = time.monotonic() + timeout_s
+            idle, s = False, None
+            while time.monotonic() < deadline:
+                try:
+                    s = await asyncio.wait_for(w.handle.status.remote(), 30)
+                except TimeoutError:  # busy: look again until the deadline
+                    continue
+                if s.idle:
+                    idle = True
+                    break
+                await asyncio.sleep(0.2)
+        except BaseException:  # cancelled or failed while the worker still runs: it serves
+            w.draining = False
+            self.targets[w.pool] = before
+            asyncio.get_running_loop().create_task(self._undrain(w))
+            raise
+        if not idle and s is not None:
+            log.warning(
+                "%s: drain timed out after %.0f s holding %d requests, %d reservations and %d "
+                "of %d KV blocks; they are replayed elsewhere",
+                name,
+                timeout_s,
+                s.running + s.waiting,
+                s.reserved,
+                s.kv_blocks_total - s.kv_blocks_free,
+                s.kv_blocks_total,
+            )
         await self.remove(name)
         return (
             idle,
             "drained" if idle else f"stopped with requests still running after {timeout_s}s",
         )
+
+    async def _undrain(self, w: WorkerRef) -> None:
+        await self.save()
+        try:
+            await asyncio.wait_for(w.handle.set_draining.remote(False), 10)
+            log.warning("%s: drain interrupted; it takes requests again", w.name)
+        except Exception as e:
+            log.warning("%s: drain interrupted, and it did not answer (%s)", w.name, e)
 
     async def remove(self, name: str) -> None:
         w = self.get(name)

@@ -122,7 +122,8 @@ class Router:
 
     # -- the workers ------------------------------------------------------------------------
     def _on_pool_event(self, event: PoolEvent, w: WorkerRef) -> None:
-        self.metrics.scaled(w.pool.value, event.name.lower())
+        if getattr(self.directory, "control", True):  # counted once: by the controller
+            self.metrics.scaled(w.pool.value, event.name.lower())
         if event is PoolEvent.ADDED:
             self.loads[w.name] = WorkerLoad(w.name)
             if w.pool is Pool.DECODE and w.name not in self._pollers:
@@ -373,6 +374,7 @@ class Router:
                 f"the admission queue is full ({self.queue_depth} waiting); retry later",
             )
         self._check_pools()
+        timer = self.metrics.stream()  # from admission: time in the queue counts
         self.queue_depth += 1
         self.metrics.queue(self.queue_depth, len(self.drivers))
         try:
@@ -380,7 +382,6 @@ class Router:
         finally:
             self.queue_depth -= 1
         drivers: list[RequestDriver] = []
-        timer = self.metrics.stream()
         shared = SharedStart(self, spec) if n > 1 else None
         try:
             await self._create_records(specs, adm.tenant)

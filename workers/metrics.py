@@ -10,8 +10,11 @@ and counters are brought up to date when a router asks the worker for its status
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
 
 # Latency buckets, seconds: from a fast decode step on a GPU to a long CPU prefill.
 LATENCY_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -23,6 +26,33 @@ class _Noop:
     def set(self, value: float, tags: dict | None = None) -> None: ...
 
     def observe(self, value: float, tags: dict | None = None) -> None: ...
+
+
+class _Guarded:
+    """A Ray metric whose failures are logged once, never raised: a metric must not break the
+    path that records it (a KV sender thread, a status call)."""
+
+    def __init__(self, metric) -> None:
+        self.metric = metric
+        self.warned = False
+
+    def _call(self, method: str, *args) -> None:
+        try:
+            getattr(self.metric, method)(*args)
+        except Exception as e:
+            if not self.warned:
+                self.warned = True
+                log.warning("metric %s: %s failed: %s", self.metric.info.get("name"), method, e)
+
+    def inc(self, value: float = 1.0, tags: dict | None = None) -> None:
+        if value > 0:  # Ray's counters refuse anything else
+            self._call("inc", value, tags)
+
+    def set(self, value: float, tags: dict | None = None) -> None:
+        self._call("set", value, tags)
+
+    def observe(self, value: float, tags: dict | None = None) -> None:
+        self._call("observe", value, tags)
 
 
 def _ray_ready() -> bool:
@@ -39,7 +69,7 @@ def counter(name: str, help: str, tags: Sequence[str]):
         return _Noop()
     from ray.util.metrics import Counter
 
-    return Counter(name, help, tag_keys=tuple(tags))
+    return _Guarded(Counter(name, help, tag_keys=tuple(tags)))
 
 
 def gauge(name: str, help: str, tags: Sequence[str]):
@@ -47,7 +77,7 @@ def gauge(name: str, help: str, tags: Sequence[str]):
         return _Noop()
     from ray.util.metrics import Gauge
 
-    return Gauge(name, help, tag_keys=tuple(tags))
+    return _Guarded(Gauge(name, help, tag_keys=tuple(tags)))
 
 
 def histogram(name: str, help: str, tags: Sequence[str], buckets=LATENCY_S):
@@ -55,7 +85,7 @@ def histogram(name: str, help: str, tags: Sequence[str], buckets=LATENCY_S):
         return _Noop()
     from ray.util.metrics import Histogram
 
-    return Histogram(name, help, boundaries=list(buckets), tag_keys=tuple(tags))
+    return _Guarded(Histogram(name, help, boundaries=list(buckets), tag_keys=tuple(tags)))
 
 
 class WorkerMetrics:

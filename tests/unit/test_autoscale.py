@@ -5,7 +5,7 @@ cool-down, and say why."""
 import asyncio
 from types import SimpleNamespace
 
-from cluster.autoscale import Autoscaler
+from cluster.autoscale import CONFIRM, Autoscaler
 from cluster.config import AutoscaleConfig
 from router.routing import WorkerLoad
 from workers.messages import Pool
@@ -26,7 +26,13 @@ class FakePools:
     def starting(self, pool: Pool) -> int:
         return 0
 
-    async def scale(self, pool: Pool, n: int) -> list[str]:
+    def changing(self, pool: Pool) -> bool:
+        return False
+
+    async def save(self) -> None:
+        pass
+
+    async def scale(self, pool: Pool, n: int, drain_timeout_s: float = 60.0) -> list[str]:
         self.calls.append((pool, n))
         self.sizes[pool] = n
         return []
@@ -44,6 +50,13 @@ class FakeMetrics:
         self.events.append((pool, event))
 
 
+async def decide(s) -> None:
+    """Readings a second apart, as many as a change needs, then let it apply."""
+    for _ in range(CONFIRM):
+        s.tick()
+    await asyncio.sleep(0)
+
+
 def scaler(configs, sizes):
     router = SimpleNamespace(loads={}, metrics=FakeMetrics())
     pools = FakePools(sizes)
@@ -57,6 +70,10 @@ def test_grows_within_bounds_holds_in_cool_down_and_shrinks_one_at_a_time():
 
     async def go():
         s.tick()
+        s.tick()
+        await asyncio.sleep(0)
+        assert pools.calls == []  # one long prompt's reading alone changes nothing
+        s.tick()
         await asyncio.sleep(0)
         assert pools.calls == [(Pool.PREFILL, 3)]  # ceil(9) bounded by max_replicas
         assert (
@@ -65,25 +82,36 @@ def test_grows_within_bounds_holds_in_cool_down_and_shrinks_one_at_a_time():
         )
         for i in range(3):
             router.loads[f"prefill-{i}"] = WorkerLoad(f"prefill-{i}", queued_tokens=0)
-        s.tick()
+        await decide(s)
         assert len(pools.calls) == 1  # within the cool-down: nothing
+        for want in (2, 1):  # one at a time, down to min_replicas
+            s.changed_at[Pool.PREFILL] -= 31
+            await decide(s)
+            assert pools.calls[-1] == (Pool.PREFILL, want)
         s.changed_at[Pool.PREFILL] -= 31
-        s.tick()
-        await asyncio.sleep(0)
-        assert pools.calls[-1] == (Pool.PREFILL, 2)  # one at a time
-        s.changed_at[Pool.PREFILL] -= 31
-        s.tick()
-        await asyncio.sleep(0)
-        assert pools.calls[-1] == (Pool.PREFILL, 1)
-        s.changed_at[Pool.PREFILL] -= 31
-        s.tick()
-        await asyncio.sleep(0)
-        assert pools.calls[-1] == (Pool.PREFILL, 1) and len(pools.calls) == 3  # at min
+        await decide(s)
+        assert len(pools.calls) == 3  # at min: nothing more
 
     asyncio.run(go())
-    assert (
-        router.metrics.events == [("prefill", "autoscale_up")] + [("prefill", "autoscale_down")] * 2
-    )
+    up, down = ("prefill", "autoscale_up"), ("prefill", "autoscale_down")
+    assert router.metrics.events == [up, down, down]
+
+
+def test_a_reading_that_changes_its_mind_restarts_the_count():
+    cfg = AutoscaleConfig(enabled=True, max_replicas=4, target=1000, cooldown_s=0)
+    s, router, pools = scaler({Pool.PREFILL: cfg}, {Pool.PREFILL: 1, Pool.DECODE: 1})
+
+    async def go():
+        for queued in (3000, 3000, 0, 3000, 3000):  # the dip breaks the run of readings
+            router.loads["prefill-0"] = WorkerLoad("prefill-0", queued_tokens=queued)
+            s.tick()
+        await asyncio.sleep(0)
+        assert pools.calls == []
+        s.tick()
+        await asyncio.sleep(0)
+        assert pools.calls == [(Pool.PREFILL, 3)]
+
+    asyncio.run(go())
 
 
 def test_decode_scales_on_kv_use_and_latency_signals_default_to_idle():
@@ -91,24 +119,15 @@ def test_decode_scales_on_kv_use_and_latency_signals_default_to_idle():
     s, router, pools = scaler({Pool.DECODE: kv}, {Pool.PREFILL: 1, Pool.DECODE: 2})
     router.loads["decode-0"] = WorkerLoad("decode-0", kv_blocks_free=10, kv_blocks_total=100)
     router.loads["decode-1"] = WorkerLoad("decode-1", kv_blocks_free=30, kv_blocks_total=100)
+    asyncio.run(decide(s))  # mean use 0.8: ceil(2 x 0.8 / 0.7) = 3
+    assert pools.calls == [(Pool.DECODE, 3)]
 
-    async def go():
-        s.tick()  # mean use 0.8: ceil(2 x 0.8 / 0.7) = 3
-        await asyncio.sleep(0)
-        assert pools.calls == [(Pool.DECODE, 3)]
-
-    asyncio.run(go())
     ttft = AutoscaleConfig(enabled=True, signal="ttft_p90", target=1.0, max_replicas=4)
     s, router, pools = scaler({Pool.PREFILL: ttft}, {Pool.PREFILL: 2, Pool.DECODE: 1})
     assert s.signal(Pool.PREFILL, "ttft_p90") == 0.0  # no traffic: nothing to serve
     router.metrics.p90s["ttft"] = 2.5
-    asyncio.run(_tick(s))
+    asyncio.run(decide(s))
     assert pools.calls == [(Pool.PREFILL, 4)]  # ceil(2 x 2.5 / 1.0) = 5, bounded
-
-
-async def _tick(s):
-    s.tick()
-    await asyncio.sleep(0)
 
 
 def test_config_refuses_bad_bounds_and_signals():

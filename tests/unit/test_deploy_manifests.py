@@ -60,7 +60,8 @@ def mounted_config() -> ClusterConfig:
 
 
 def test_every_manifest_parses_and_the_local_config_is_valid():
-    assert {d["kind"] for d in docs()} >= {"ConfigMap", "RayCluster", "Service", "StatefulSet"}
+    kinds = {d["kind"] for d in docs()}
+    assert kinds >= {"ConfigMap", "RayCluster", "Service", "StatefulSet", "PodMonitor"}
     local = yaml.safe_load((DEPLOY / "local" / "cluster.yaml").read_text())
     config_io.build(ClusterConfig, local, "deploy/local/cluster.yaml")
     cfg = mounted_config()
@@ -103,6 +104,16 @@ def test_ports_redis_and_the_router_service_agree_with_the_config():
     assert service["spec"]["selector"]["ray.io/node-type"] == "head"
     [head] = [c for group, _, c in containers() if group == "head"]
     assert router_ports <= {p["containerPort"] for p in head["ports"]}
+    assert 'eval "$KUBERAY_GEN_RAY_START_CMD"' in " ".join(head["args"])
+    # Ray's metrics endpoint on every pod, on the port the PodMonitor scrapes.
+    [rc] = of_kind("RayCluster")
+    groups = [rc["spec"]["headGroupSpec"], *rc["spec"]["workerGroupSpecs"]]
+    [monitor] = of_kind("PodMonitor")
+    assert monitor["spec"]["selector"]["matchLabels"]["ray.io/cluster"] == rc["metadata"]["name"]
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    for group, (_, _, c) in zip(groups, containers()):
+        [port] = [p for p in c["ports"] if p["name"] == endpoint["port"]]
+        assert str(port["containerPort"]) == group["rayStartParams"]["metrics-export-port"]
     dockerfile = (KUBERAY / "Dockerfile").read_text()
     exposed = {int(p) for p in re.search(r"^EXPOSE (.*)$", dockerfile, re.M).group(1).split()}
     assert router_ports <= exposed
@@ -138,7 +149,8 @@ def test_each_pool_lands_on_its_own_worker_group():
             params.get("num-gpus", 0)
         )
         assert 1 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
-        assert "$KUBERAY_GEN_RAY_START_CMD" in " ".join(c["args"])
+        # Through eval: unquoted, bash would split the resources' JSON apart.
+        assert 'eval "$KUBERAY_GEN_RAY_START_CMD"' in " ".join(c["args"])
 
 
 def defined_series() -> tuple[set[str], set[str]]:
