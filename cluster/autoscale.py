@@ -134,8 +134,7 @@ class Autoscaler:
         async def apply() -> None:
             try:
                 await self.pools.scale(pool, wanted, drain_timeout_s=drain_s)
-                event = "autoscale_up" if up else "autoscale_down"
-                self.router.metrics.scaled(pool.value, event)
+                self.pools.events.count(pool.value, "autoscale_up" if up else "autoscale_down")
             except Exception as e:  # e.g. not enough Ray resources: said, tried again later
                 log.error("autoscale: %s pool to %d failed: %s", pool.value, wanted, e)
                 self.pools.autoscale_notes[pool] += f" (failed: {e})"

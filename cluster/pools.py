@@ -24,6 +24,7 @@ import ray
 from router.directory import Listener, PoolEvent, WorkerRef
 from workers.engine.config import EngineConfig
 from workers.messages import Pool, PoolStatus, TokenLog, WorkerInfo
+from workers.metrics import PoolEvents
 
 log = logging.getLogger(__name__)
 NAMESPACE = "tandem"
@@ -78,6 +79,7 @@ class PoolManager:
         self.autoscale_notes: dict[Pool, str] = {}  # each pool's last autoscaling decision
         # One change of a pool at a time: a scale, a drain or a healing round.
         self._locks = {p: asyncio.Lock() for p in Pool}
+        self.events = PoolEvents()
 
     # -- the directory ----------------------------------------------------------------------
     def members(self, pool: Pool, include_dead: bool = False) -> list[WorkerRef]:
@@ -129,6 +131,7 @@ class PoolManager:
         self._forget_peer(w)
         if not self.control:
             return
+        self.events.count(w.pool.value, "dead")  # once: by the controller
         try:  # a hung actor must not come back as a zombie
             ray.kill(w.handle, no_restart=True)
         except Exception as e:  # already gone
@@ -183,6 +186,7 @@ class PoolManager:
             self._starting[pool] -= 1
         ref = WorkerRef(name, pool, actor, info)
         self.workers[pool][name] = ref
+        self.events.count(pool.value, "started")
         log.info("started %s (pid %d on %s)", name, info.pid, info.node)
         self._notify(PoolEvent.ADDED, ref)
         return ref
@@ -447,6 +451,7 @@ class PoolManager:
         was_alive = w.alive
         w.alive = False
         del self.workers[w.pool][name]
+        self.events.count(w.pool.value, "removed")
         if was_alive:
             self._notify(PoolEvent.REMOVED, w)
             self._forget_peer(w)

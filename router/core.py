@@ -122,8 +122,6 @@ class Router:
 
     # -- the workers ------------------------------------------------------------------------
     def _on_pool_event(self, event: PoolEvent, w: WorkerRef) -> None:
-        if getattr(self.directory, "control", True):  # counted once: by the controller
-            self.metrics.scaled(w.pool.value, event.name.lower())
         if event is PoolEvent.ADDED:
             self.loads[w.name] = WorkerLoad(w.name)
             if w.pool is Pool.DECODE and w.name not in self._pollers:

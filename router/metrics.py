@@ -1,6 +1,6 @@
 """The router's series (see workers/metrics.py for how they are exported): requests by final
-status; TTFT, inter-token latency and end-to-end latency; the admission queue; replays; and
-pool scale events (operator scales and drains, and dead workers replaced)."""
+status; TTFT, inter-token latency and end-to-end latency; the admission queue; replays. Pool
+events are counted where they happen (cluster/pools.py, workers/metrics.PoolEvents)."""
 
 from __future__ import annotations
 
@@ -27,11 +27,6 @@ class RouterMetrics:
         self.queue_depth = gauge("tandem_router_queue_depth", "requests waiting for a slot", t)
         self.in_flight = gauge("tandem_router_in_flight", "requests being served", t)
         self.replays = counter("tandem_replays_total", "attempts replayed after a failure", t)
-        self.scale_events = counter(
-            "tandem_scale_events_total",
-            "pool changes: scale, drain, replace",
-            (*t, "pool", "event"),
-        )
         # (when, seconds) of this router's recent first tokens and per-request TPOTs.
         self.recent: dict[str, deque[tuple[float, float]]] = {"ttft": deque(), "tpot": deque()}
 
@@ -50,9 +45,6 @@ class RouterMetrics:
 
     def replayed(self) -> None:
         self.replays.inc(1, self.tags)
-
-    def scaled(self, pool: str, event: str) -> None:
-        self.scale_events.inc(1, {**self.tags, "pool": pool, "event": event})
 
     def queue(self, depth: int, in_flight: int) -> None:
         self.queue_depth.set(depth, self.tags)

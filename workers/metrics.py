@@ -147,3 +147,17 @@ class WorkerMetrics:
             self.transfer_seconds.observe(seconds, self.tags)
         else:
             self.transfer_failures.inc(1, self.tags)
+
+
+class PoolEvents:
+    """tandem_scale_events_total{pool, event}: counted by the pool manager that acts (the
+    controller router's, or `tandem up`'s at start): started, removed (drained or scaled
+    away), dead, autoscale_up, autoscale_down."""
+
+    def __init__(self) -> None:
+        self.counter = counter(
+            "tandem_scale_events_total", "pool changes, by pool and kind", ("pool", "event")
+        )
+
+    def count(self, pool: str, event: str) -> None:
+        self.counter.inc(1, {"pool": pool, "event": event})

@@ -16,6 +16,8 @@ class FakePools:
         self.sizes = dict(sizes)
         self.autoscale_notes: dict[Pool, str] = {}
         self.calls: list[tuple[Pool, int]] = []
+        self.events = SimpleNamespace(seen=[])
+        self.events.count = lambda pool, event: self.events.seen.append((pool, event))
 
     def members(self, pool: Pool):
         return [
@@ -41,13 +43,9 @@ class FakePools:
 class FakeMetrics:
     def __init__(self) -> None:
         self.p90s: dict[str, float | None] = {"ttft": None, "tpot": None}
-        self.events: list[tuple[str, str]] = []
 
     def p90(self, kind: str) -> float | None:
         return self.p90s[kind]
-
-    def scaled(self, pool: str, event: str) -> None:
-        self.events.append((pool, event))
 
 
 async def decide(s) -> None:
@@ -94,7 +92,7 @@ def test_grows_within_bounds_holds_in_cool_down_and_shrinks_one_at_a_time():
 
     asyncio.run(go())
     up, down = ("prefill", "autoscale_up"), ("prefill", "autoscale_down")
-    assert router.metrics.events == [up, down, down]
+    assert pools.events.seen == [up, down, down]
 
 
 def test_a_reading_that_changes_its_mind_restarts_the_count():
