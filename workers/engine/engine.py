@@ -370,7 +370,8 @@ class LLMEngine:
         try:
             sampled = self.runner.execute(out)
         except Exception as e:  # one bad step must not take the engine down with it
-            log.exception("model step failed; failing its %d requests", len(out.scheduled))
+            ids = [s.request_id for s in out.scheduled]
+            log.exception("model step failed; failing its %d requests: %s", len(ids), ids)
             error = f"{type(e).__name__}: {e}"
             for s in out.scheduled:
                 req = self.scheduler.finish_request(
