@@ -65,6 +65,7 @@ class Autoscaler:
             await asyncio.sleep(self.interval_s)
             if not self.is_controller():
                 self.leading_since = None
+                self.calls.clear()  # readings count again from the next takeover
                 continue
             if self.leading_since is None:  # new in the role: a cool-down before acting
                 self.leading_since = time.monotonic()
@@ -94,15 +95,14 @@ class Autoscaler:
         now = time.monotonic()
         for pool, cfg in self.configs.items():
             task = self.busy.get(pool)
-            if task is not None and not task.done():
-                continue
-            if now - self.changed_at.get(pool, -math.inf) < cfg.cooldown_s:
-                continue
             if (
-                self.pools.changing(pool)
+                (task is not None and not task.done())
+                or now - self.changed_at.get(pool, -math.inf) < cfg.cooldown_s
+                or self.pools.changing(pool)
                 or self.pools.starting(pool)
                 or any(w.draining for w in self.pools.members(pool))
             ):
+                self.calls.pop(pool, None)  # readings before a change do not count after it
                 continue
             name, target = cfg.resolved(pool)
             value = self.signal(pool, name)

@@ -80,6 +80,7 @@ class PoolManager:
         # One change of a pool at a time: a scale, a drain or a healing round.
         self._locks = {p: asyncio.Lock() for p in Pool}
         self.events = PoolEvents()
+        self._tasks: set[asyncio.Task] = set()
 
     # -- the directory ----------------------------------------------------------------------
     def members(self, pool: Pool, include_dead: bool = False) -> list[WorkerRef]:
@@ -179,7 +180,7 @@ class PoolManager:
                 raise RuntimeError(f"no free name for a new {pool.value} worker")
             try:
                 info = await asyncio.wait_for(actor.info.remote(), self.start_timeout_s)
-            except Exception:
+            except BaseException:  # failed, timed out or cancelled: no detached leftover
                 ray.kill(actor, no_restart=True)
                 raise
         finally:
@@ -245,15 +246,21 @@ class PoolManager:
     async def heal(self) -> None:
         """Start a replacement for each missing member; returns once they are started (or
         failed: then a later round tries again)."""
-        jobs = []
-        for pool, target in self.targets.items():
-            if self._locks[pool].locked():  # a scale or drain is changing it
-                continue
+        jobs = [
+            self._heal_pool(pool)
+            for pool in self.targets
+            if not self._locks[pool].locked()  # a scale or drain is changing it
+            and time.monotonic() - self._spawn_failed_at[pool] >= _RETRY_SPAWN_S
+        ]
+        if jobs:
+            await asyncio.gather(*jobs)
+
+    async def _heal_pool(self, pool: Pool) -> None:
+        async with self._locks[pool]:  # counted under the lock: a scale may have just run
+            target = self.targets.get(pool, 0)
             missing = target - len(self.members(pool)) - self.starting(pool)
             if missing <= 0:
-                continue
-            if time.monotonic() - self._spawn_failed_at[pool] < _RETRY_SPAWN_S:
-                continue
+                return
             dead = [w for w in self.members(pool, include_dead=True) if not w.alive]
             log.warning(
                 "%s pool has %d of %d workers; starting %d",
@@ -262,12 +269,6 @@ class PoolManager:
                 target,
                 missing,
             )
-            jobs.append(self._heal_pool(pool, dead, missing))
-        if jobs:
-            await asyncio.gather(*jobs)
-
-    async def _heal_pool(self, pool: Pool, dead: list[WorkerRef], missing: int) -> None:
-        async with self._locks[pool]:
             await asyncio.gather(
                 *(self._replace(pool, dead[i] if i < len(dead) else None) for i in range(missing))
             )
@@ -363,25 +364,35 @@ class PoolManager:
         if replicas < 0:
             raise ValueError(f"replicas={replicas}: must be >= 0")
         async with self._locks[pool]:
+            before = self.targets.get(pool, 0)
             self.targets[pool] = replicas
-            await self.save()
             live = self.members(pool)
-            dead = [w for w in self.members(pool, include_dead=True) if not w.alive]
-            for w in dead:  # a scale is a fresh start: dead members are not shown any more
-                self.workers[pool].pop(w.name, None)
-            grow = replicas - len(live) - self.starting(pool)
-            if grow > 0:
-                started = await asyncio.gather(
-                    *(self.spawn(pool) for _ in range(grow)), return_exceptions=True
-                )
-                failed = [e for e in started if isinstance(e, BaseException)]
-                if failed:  # what could start stays; the target says what is there
-                    self.targets[pool] = len(self.members(pool))
-                    await self.save()
-                    raise ValueError(f"{len(failed)} of {grow} workers did not start: {failed[0]}")
-            shrink = sorted(live, key=lambda w: w.name, reverse=True)
-            for w in shrink[: max(0, len(live) - replicas)]:
-                await self._drain(w.name, drain_timeout_s)
+            try:
+                await self.save()
+                dead = [w for w in self.members(pool, include_dead=True) if not w.alive]
+                for w in dead:  # a scale is a fresh start: dead members are not shown any more
+                    self.workers[pool].pop(w.name, None)
+                grow = replicas - len(live) - self.starting(pool)
+                if grow > 0:
+                    started = await asyncio.gather(
+                        *(self.spawn(pool) for _ in range(grow)), return_exceptions=True
+                    )
+                    failed = [e for e in started if isinstance(e, BaseException)]
+                    if failed:
+                        raise ValueError(
+                            f"{len(failed)} of {grow} workers did not start: {failed[0]}"
+                        )
+                shrink = sorted(live, key=lambda w: w.name, reverse=True)
+                for w in shrink[: max(0, len(live) - replicas)]:
+                    await self._drain(w.name, drain_timeout_s)
+            except BaseException:
+                # Cut short (a worker did not start, a drain was cancelled): the target says
+                # what serves, never less than was asked of a pool that could not grow.
+                serving = len([w for w in self.members(pool) if not w.draining])
+                grew = replicas >= len(live)
+                self.targets[pool] = min(replicas, max(before, serving)) if grew else serving
+                self._background(self.save())
+                raise
             return [w.name for w in self.members(pool)]
 
     async def drain(self, name: str, timeout_s: float) -> tuple[bool, str]:
@@ -417,7 +428,7 @@ class PoolManager:
         except BaseException:  # cancelled or failed while the worker still runs: it serves
             w.draining = False
             self.targets[w.pool] = before
-            asyncio.get_running_loop().create_task(self._undrain(w))
+            self._background(self._undrain(w))
             raise
         if not idle and s is not None:
             log.warning(
@@ -435,6 +446,12 @@ class PoolManager:
             idle,
             "drained" if idle else f"stopped with requests still running after {timeout_s}s",
         )
+
+    def _background(self, coro) -> None:
+        """Run a coroutine to its end even if its caller is cancelled (kept referenced)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _undrain(self, w: WorkerRef) -> None:
         await self.save()

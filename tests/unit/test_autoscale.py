@@ -28,8 +28,10 @@ class FakePools:
     def starting(self, pool: Pool) -> int:
         return 0
 
+    busy = False
+
     def changing(self, pool: Pool) -> bool:
-        return False
+        return self.busy
 
     async def save(self) -> None:
         pass
@@ -107,6 +109,26 @@ def test_a_reading_that_changes_its_mind_restarts_the_count():
         assert pools.calls == []
         s.tick()
         await asyncio.sleep(0)
+        assert pools.calls == [(Pool.PREFILL, 3)]
+
+    asyncio.run(go())
+
+
+def test_nothing_is_decided_while_another_change_holds_the_pool():
+    cfg = AutoscaleConfig(enabled=True, max_replicas=4, target=1000, cooldown_s=0)
+    s, router, pools = scaler({Pool.PREFILL: cfg}, {Pool.PREFILL: 1, Pool.DECODE: 1})
+    router.loads["prefill-0"] = WorkerLoad("prefill-0", queued_tokens=3000)
+
+    async def go():
+        s.tick()
+        s.tick()
+        pools.busy = True  # an operator's scale or a healing round
+        s.tick()
+        pools.busy = False
+        s.tick()  # readings from before that change do not count
+        await asyncio.sleep(0)
+        assert pools.calls == []
+        await decide(s)
         assert pools.calls == [(Pool.PREFILL, 3)]
 
     asyncio.run(go())
