@@ -157,7 +157,8 @@ class LLMEngine:
             keep_kv=keep_kv,
         )
         self.scheduler.add_request(req)
-        self._watch_stops(req)
+        if sampling.stop and stop_after is None:  # a prefill never ends on a stop
+            self._watch_stops(req)
         return req.request_id
 
     def _check_id_free(self, request_id: str, n: int) -> None:
@@ -173,12 +174,15 @@ class LLMEngine:
         ):
             raise ValueError(f"request id {request_id!r} is already in use (or a choice's)")
 
-    def _watch_stops(self, req: Request) -> None:
-        if req.sampling.stop and req.stop_after is None:  # a prefill never ends on a stop
-            matcher = StopStringMatcher(self.tokenizer, req.sampling.stop)
-            if req.output_token_ids:  # a replay: the text so far may hold a stop's beginning
-                matcher.push(req.output_token_ids, search=False)  # but never a whole one
-            self._stops[req.request_id] = matcher
+    def _watch_stops(self, req: Request, prior: list[int] | None = None) -> StopStringMatcher:
+        """Register a request's stop-string matcher, fed the tokens already emitted (`prior`,
+        by default all its outputs): their text may hold a stop's beginning, never a whole
+        one."""
+        matcher = self._stops[req.request_id] = StopStringMatcher(self.tokenizer, req.sampling.stop)
+        prior = req.output_token_ids if prior is None else prior
+        if prior:
+            matcher.push(prior, search=False)
+        return matcher
 
     def validate_sampling(self, sampling: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
@@ -297,12 +301,8 @@ class LLMEngine:
         ]
         ended = []
         for r in choices:
-            if r.sampling.stop:
-                matcher = self._stops[r.request_id] = StopStringMatcher(
-                    self.tokenizer, r.sampling.stop
-                )
-                if r.num_output_tokens > 1:  # emitted before: no stop ended them
-                    matcher.push(r.output_token_ids[:-1], search=False)
+            if r.sampling.stop:  # tokens before the last were emitted: no stop ended them
+                matcher = self._watch_stops(r, r.output_token_ids[:-1])
                 if matcher.push(r.output_token_ids[-1:], search=_stops_armed(r)) is not None:
                     self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
             status = self.scheduler.check_stop(r, r.output_token_ids[-1])
@@ -388,8 +388,7 @@ class LLMEngine:
         text = None
         forked_now = req.parent_id is not None and req.num_output_tokens == 1
         if forked_now and req.sampling.stop and req.stop_after is None:
-            # A choice just forked: its own matcher, from its first token.
-            self._stops[req.request_id] = StopStringMatcher(self.tokenizer, req.sampling.stop)
+            self._watch_stops(req, [])  # a choice just forked: its own matcher, from now
         matcher = self._stops.get(req.request_id)
         if matcher is not None:
             hit = matcher.push(new_ids, search=_stops_armed(req))
