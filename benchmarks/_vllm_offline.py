@@ -1,5 +1,6 @@
-"""Runs the offline workload through vLLM's LLM.generate. Executed with the vLLM virtualenv's
-Python by offline_throughput.py; reads a JSON job on stdin, prints one JSON result line.
+"""Runs the offline workload through vLLM's LLM.generate, in its default compiled mode or eager
+(`enforce_eager` in the job). Executed with the vLLM virtualenv's Python by
+offline_throughput.py; reads a JSON job on stdin, prints one JSON result line.
 (vLLM starts its engine core in a spawned process that re-imports this file: hence the guard.)"""
 
 import json
@@ -18,7 +19,7 @@ def main() -> None:
         max_num_seqs=job["max_batch"],
         max_model_len=job.get("max_model_len", 2048),
         seed=0,
-        enforce_eager=True,
+        enforce_eager=job.get("enforce_eager", False),
         kv_cache_memory_bytes=int(job.get("kv_cache_gb", 1.0) * 2**30),
     )
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in job["requests"]]

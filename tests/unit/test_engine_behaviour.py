@@ -109,9 +109,9 @@ def test_invalid_request_in_a_batch_does_not_disturb_the_rest(tiny_llama_dir):
 
 
 def test_cpu_decode_kernel_matches_sdpa(tiny_llama_dir, dtype="float32"):
-    from workers.model.attention.cpu_kernels import paged_decode_kernel
+    from workers.model.cpu_kernels import cpu_kernels
 
-    if paged_decode_kernel() is None:
+    if cpu_kernels() is None:
         pytest.skip("no C++ compiler: the kernel could not be built")
     outs = {}
     for backend in ("torch", "torch-sdpa"):
@@ -134,9 +134,9 @@ def test_cpu_decode_kernel_matches_sdpa(tiny_llama_dir, dtype="float32"):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_kernel_numerics_against_a_dense_reference(dtype, tol):
-    from workers.model.attention.cpu_kernels import paged_decode_kernel
+    from workers.model.cpu_kernels import cpu_kernels
 
-    kernel = paged_decode_kernel()
+    kernel = cpu_kernels()
     if kernel is None:
         pytest.skip("no C++ compiler: the kernel could not be built")
     torch.manual_seed(0)

@@ -11,6 +11,7 @@ from torch import nn
 
 from workers.model.attention.base import AttentionBackend, AttentionMetadata
 from workers.model.config import CheckpointError, ModelConfig
+from workers.model.linear import PackedLinear
 from workers.model.rope import RotaryEmbedding
 
 
@@ -32,11 +33,14 @@ class DecoderLayer(nn.Module):
         self.cfg = cfg
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = PackedLinear(
+            cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias
+        )
+        self.o_proj = PackedLinear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = PackedLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = PackedLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
+        self.ops = None  # the fused CPU kernels, once LlamaForCausalLM.use_cpu_kernels sets them
 
     def forward(self, x, positions, rope, backend, k_cache, v_cache, meta):
         cfg = self.cfg
@@ -51,6 +55,29 @@ class DecoderLayer(nn.Module):
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
+    def forward_fused(self, delta, residual, positions, rope, backend, k_cache, v_cache, meta):
+        """The same layer on fused CPU kernels (`self.ops`), in the residual-stream form:
+        `residual += delta` is folded into the first norm (delta is None on the first layer),
+        and this layer's MLP output is returned as the next delta, unadded."""
+        cfg, ops = self.cfg, self.ops
+        if delta is None:
+            h = ops.rms_norm(residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        else:
+            h = ops.add_rms_norm(
+                delta, residual, self.input_layernorm.weight, self.input_layernorm.eps
+            )
+        qkv = self.qkv_proj(h)
+        q = qkv[:, : cfg.q_size].view(-1, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, cfg.q_size + cfg.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
+        ops.rotary_inplace(q, positions, rope.cos, rope.sin)
+        ops.rotary_inplace(k, positions, rope.cos, rope.sin)
+        attn = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = self.o_proj(attn.reshape(-1, cfg.q_size))
+        norm = self.post_attention_layernorm
+        h = ops.add_rms_norm(o, residual, norm.weight, norm.eps)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(h))), residual
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
@@ -59,10 +86,11 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = PackedLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.ops = None
 
     @torch.inference_mode()
     def forward(
@@ -75,9 +103,23 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""
         x = self.embed_tokens(input_ids)
+        if self.ops is not None:
+            delta = None
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                delta, x = layer.forward_fused(
+                    delta, x, positions, self.rope, backend, k_cache, v_cache, meta
+                )
+            return self.ops.add_rms_norm(delta, x, self.norm.weight, self.norm.eps)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rope, backend, k_cache, v_cache, meta)
         return self.norm(x)
+
+    def use_cpu_kernels(self, ops) -> None:
+        """Run the layers' small ops on the fused kernels of `workers.model.cpu_kernels`
+        (None: back to torch ops)."""
+        self.ops = ops
+        for layer in self.layers:
+            layer.ops = ops
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

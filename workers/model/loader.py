@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 
 from workers.model.config import CheckpointError, ModelConfig
+from workers.model.cpu_kernels import cpu_kernels
+from workers.model.linear import pack_linears
 from workers.model.llama import LlamaForCausalLM
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -91,4 +93,7 @@ def build_model(
     del weights
     model = model.to(device=device, dtype=dtype).eval()
     model.rope.to(torch.float32)  # positions stay exact in fp32 whatever the weights' dtype
+    if device.type == "cpu":
+        pack_linears(model, device)
+        model.use_cpu_kernels(cpu_kernels())
     return model

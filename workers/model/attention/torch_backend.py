@@ -1,8 +1,9 @@
 """Attention with torch's scaled_dot_product_attention over the paged cache (CPU, any device).
 
-Decodes are batched. On the CPU a compiled kernel (cpu_kernels.py) reads their blocks in
-place; otherwise their blocks are gathered into a padded `[B, KVH, L, D]` view for SDPA, with
-the query heads of each KV group in SDPA's query-length axis, so GQA needs no head repeat.
+Decodes are batched. On the CPU a compiled kernel (workers/model/cpu_kernels.py) reads their
+blocks in place; otherwise their blocks are gathered into a padded `[B, KVH, L, D]` view for
+SDPA, with the query heads of each KV group in SDPA's query-length axis, so GQA needs no head
+repeat.
 Prefill chunks run one sequence each; a chunk with no cached prefix attends to its own fresh
 K/V, causally, without touching the cache.
 """
@@ -21,9 +22,9 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, device: torch.device, use_kernel: bool = True) -> None:
         self.kernel = None
         if use_kernel and device.type == "cpu":
-            from workers.model.attention.cpu_kernels import paged_decode_kernel
+            from workers.model.cpu_kernels import cpu_kernels
 
-            self.kernel = paged_decode_kernel()
+            self.kernel = cpu_kernels()
         if self.kernel is not None:
             self.name = "torch+cpu-kernel"
 

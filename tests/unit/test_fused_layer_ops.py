@@ -1,0 +1,85 @@
+"""The fused CPU layer kernels against the torch ops they replace, alone and inside the model."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.reference import engine_logits, run_engine
+from workers.engine.config import EngineConfig
+from workers.engine.engine import LLMEngine
+from workers.engine.request import SamplingParams
+from workers.model.cpu_kernels import cpu_kernels
+from workers.model.llama import RMSNorm
+from workers.model.rope import RotaryEmbedding
+
+TOLS = [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = cpu_kernels()
+    if module is None:
+        pytest.skip("no C++ compiler: the kernels could not be built")
+    return module
+
+
+@pytest.mark.parametrize("dtype, tol", TOLS)
+def test_norms(ops, dtype, tol):
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-5).to(dtype)
+    norm.weight.data.uniform_(0.5, 1.5)
+    for rows in (1, 37):
+        x = torch.randn(rows, 64).to(dtype)
+        delta = torch.randn(rows, 64).to(dtype)
+        torch.testing.assert_close(
+            ops.rms_norm(x, norm.weight, norm.eps), norm(x), atol=tol, rtol=tol
+        )
+        residual, delta_before = x.clone(), delta.clone()
+        out = ops.add_rms_norm(delta, residual, norm.weight, norm.eps)
+        assert torch.equal(residual, x + delta)  # the sum, rounded to the dtype, in place
+        torch.testing.assert_close(out, norm(x + delta), atol=tol, rtol=tol)
+        assert torch.equal(delta, delta_before)  # the delta is left alone
+
+
+@pytest.mark.parametrize("dtype, tol", TOLS)
+def test_rotary_in_place_on_fused_qkv_columns(ops, dtype, tol):
+    torch.manual_seed(1)
+    heads, kv_heads, dim = 6, 2, 16
+    rope = RotaryEmbedding(dim, 256, 10000.0, None)
+    qkv = torch.randn(9, (heads + 2 * kv_heads) * dim).to(dtype)
+    positions = torch.tensor([0, 1, 2, 50, 51, 7, 255, 3, 3])
+    q = qkv[:, : heads * dim].view(-1, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(-1, kv_heads, dim)
+    v_before = qkv[:, (heads + kv_heads) * dim :].clone()
+    want_q, want_k = rope(positions, q.clone(), k.clone())
+    ops.rotary_inplace(q, positions, rope.cos, rope.sin)
+    ops.rotary_inplace(k, positions, rope.cos, rope.sin)
+    torch.testing.assert_close(q, want_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(k, want_k, atol=tol, rtol=tol)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)  # v untouched
+    with pytest.raises(RuntimeError, match="past the table"):
+        ops.rotary_inplace(q, torch.tensor([256] * 9), rope.cos, rope.sin)
+
+
+@pytest.mark.parametrize("dtype, tol", TOLS)
+def test_silu_and_mul(ops, dtype, tol):
+    torch.manual_seed(2)
+    gate_up = torch.randn(5, 2 * 48).to(dtype) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate) * up, atol=tol, rtol=tol)
+
+
+def test_model_on_kernels_equals_model_on_torch_ops(ops, tiny_model_dir):
+    """Same checkpoint, same weights: logits close and greedy outputs equal whether the layers
+    run on the fused kernels or on torch ops (llama, llama3-scaled, qwen2 with qkv bias)."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, block_size=4))
+    model = engine.runner.model
+    assert model.ops is ops
+    prompts = [[1, 504, 3575, 282, 4649, 314], list(range(100, 160))]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    fused = [engine_logits(engine, p) for p in prompts], run_engine(engine, prompts, greedy)
+    model.use_cpu_kernels(None)
+    plain = [engine_logits(engine, p) for p in prompts], run_engine(engine, prompts, greedy)
+    for a, b in zip(fused[0], plain[0]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert fused[1] == plain[1]

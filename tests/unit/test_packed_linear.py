@@ -1,0 +1,67 @@
+"""Linear weights prepacked for oneDNN: the same products as F.linear, the dense copy gone,
+a tied lm_head's embedding kept, and a clear fallback when packing is off."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.model.linear import PackedLinear, pack_linears, packing_available
+
+CPU = torch.device("cpu")
+needs_onednn = pytest.mark.skipif(
+    packing_available(CPU) is not None, reason=f"no packing here: {packing_available(CPU)}"
+)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_products_equal_dense(dtype, bias):
+    torch.manual_seed(0)
+    layer = PackedLinear(96, 160, bias=bias).to(dtype)
+    weight = layer.weight.detach().clone()
+    b = layer.bias.detach().clone() if bias else None
+    assert pack_linears(layer, CPU) == 1
+    assert layer.weight is None and layer.packed is not None
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for rows in (1, 3, 16, 300):  # decode batches and a prefill chunk, one packing for all
+        x = torch.randn(rows, 96).to(dtype)
+        got = layer(x).float()
+        want = F.linear(x, weight, b).float()
+        assert got.shape == (rows, 160)
+        assert torch.allclose(got, want, rtol=tol, atol=tol), (rows, (got - want).abs().max())
+    # A non-contiguous input (a slice of a wider row) is handled, not misread.
+    wide = torch.randn(5, 192).to(dtype)
+    assert torch.allclose(
+        layer(wide[:, ::2]).float(), F.linear(wide[:, ::2], weight, b).float(), rtol=tol, atol=tol
+    )
+
+
+@needs_onednn
+def test_tied_head_keeps_the_embedding():
+    embed = torch.nn.Embedding(50, 32)
+    head = PackedLinear(32, 50, bias=False)
+    head.weight = embed.weight
+    model = torch.nn.ModuleDict({"embed": embed, "head": head})
+    assert pack_linears(model, CPU) == 1
+    assert head.weight is None and embed.weight is not None
+    x = torch.randn(2, 32)
+    assert torch.allclose(head(x), x @ embed.weight.t(), atol=1e-5)
+    assert pack_linears(model, CPU) == 0  # packing twice is a no-op
+
+
+def test_switched_off_keeps_dense_weights_and_says_why(monkeypatch, caplog):
+    monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
+    layer = PackedLinear(8, 4)
+    with caplog.at_level(logging.WARNING, logger="workers.model.linear"):
+        assert pack_linears(layer, CPU) == 0
+    assert layer.packed is None and layer.weight is not None
+    assert "TANDEM_CPU_KERNELS=0" in caplog.text
+    x = torch.randn(2, 8)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_other_devices_are_not_packed():
+    assert "CPU only" in packing_available(torch.device("meta"))

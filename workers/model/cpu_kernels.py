@@ -1,0 +1,74 @@
+"""Tandem's C++ kernels for the CPU, compiled on first use with torch's JIT extension builder
+and cached (TORCH_EXTENSIONS_DIR, about 30 s once per machine):
+
+- `paged_decode_attention`: decode attention read straight off the paged cache. Gathering
+  every sequence's blocks into a padded batch costs more than the attention itself on the
+  CPU; the kernel reads blocks in place and stops at each sequence's own length.
+- `rms_norm`, `add_rms_norm`, `rotary_inplace`, `silu_and_mul`: the decoder layer's small
+  ops, fused (csrc/layer_ops_cpu.cpp). A small model's decode step is mostly the dispatch of
+  such ops, not their arithmetic.
+
+If the build fails (no compiler), the model keeps its torch paths and says so once.
+Set TANDEM_CPU_KERNELS=0 to skip the kernels (and the oneDNN weight packing, linear.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "layer_ops_cpu.cpp"]
+_FUNCTIONS = [
+    "paged_decode_attention",
+    "rms_norm",
+    "add_rms_norm",
+    "rotary_inplace",
+    "silu_and_mul",
+]
+# Vectorising the fp32 reductions needs reassociation; the kernels never see inf or NaN.
+_CFLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+]
+_lock = threading.Lock()
+_module = None
+_tried = False
+
+
+def cpu_kernels():
+    """The compiled module (every function in `_FUNCTIONS`), or None when disabled or
+    unbuildable."""
+    global _module, _tried
+    if _tried:
+        return _module
+    with _lock:
+        if _tried:
+            return _module
+        _tried = True
+        if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
+            log.info("TANDEM_CPU_KERNELS=0: the CPU path runs on torch ops alone")
+            return None
+        try:
+            from torch.utils.cpp_extension import load_inline
+
+            _module = load_inline(
+                name="tandem_cpu_kernels_v2",
+                cpp_sources=[src.read_text() for src in _SOURCES],
+                extra_include_paths=[str(_CSRC)],
+                functions=_FUNCTIONS,
+                extra_cflags=_CFLAGS,
+                extra_ldflags=["-fopenmp"],
+            )
+        except Exception as e:  # a missing compiler must not stop the engine
+            log.warning("CPU kernels unavailable (%s); using torch ops (slower decode steps)", e)
+            _module = None
+        return _module

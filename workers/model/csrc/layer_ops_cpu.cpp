@@ -1,0 +1,148 @@
+// The decoder layer's small ops, fused, for the CPU: RMSNorm (with the residual add), rotary
+// embedding in place, and SiLU-and-mul. Each replaces five to twelve torch ops, and a decode
+// step of a small model is mostly op dispatch, not arithmetic.
+//
+// The rounding follows the torch code they replace (workers/model/llama.py, rope.py): math in
+// fp32, the normalized value rounded to the activations' dtype before the weight multiplies it,
+// the residual sum rounded to that dtype, SiLU rounded before the multiply. So results equal
+// the unfused path's up to the order (and fusing) of fp32 multiply-adds.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#include "cpu_math.h"
+
+namespace {
+
+template <typename T>
+inline T round_to(float x) { return static_cast<T>(x); }
+
+template <typename T>
+inline float rd(float x) { return static_cast<float>(static_cast<T>(x)); }  // round trip
+
+// out[r] = w * rd(h * rsqrt(mean(h^2) + eps)), with h = residual[r] (+= x[r] first when fused).
+template <typename T>
+void rms_norm_rows(T* out, T* residual, const T* x, const T* w, int64_t rows, int64_t hidden,
+                   int64_t out_stride, int64_t res_stride, int64_t x_stride, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(hidden);
+    for (int64_t r = begin; r < end; ++r) {
+      T* res = residual + r * res_stride;
+      float ss = 0.f;
+      if (x != nullptr) {
+        const T* xr = x + r * x_stride;
+        for (int64_t i = 0; i < hidden; ++i) {
+          const T sum = round_to<T>(static_cast<float>(res[i]) + static_cast<float>(xr[i]));
+          res[i] = sum;
+          h[i] = static_cast<float>(sum);
+        }
+      } else {
+        for (int64_t i = 0; i < hidden; ++i) h[i] = static_cast<float>(res[i]);
+      }
+      for (int64_t i = 0; i < hidden; ++i) ss += h[i] * h[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+      T* o = out + r * out_stride;
+      for (int64_t i = 0; i < hidden; ++i)
+        o[i] = round_to<T>(static_cast<float>(w[i]) * rd<T>(h[i] * inv));
+    }
+  });
+}
+
+}  // namespace
+
+// x: [T, hidden]. Returns RMSNorm(x) * weight, x untouched.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, hidden], rows contiguous");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
+              "weight must be contiguous, of x's dtype");
+  auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), nullptr,
+                            weight.data_ptr<scalar_t>(), x.size(0), x.size(1), out.stride(0),
+                            x.stride(0), 0, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// residual += x (in place, rounded to its dtype); returns RMSNorm(residual) * weight.
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                           double eps) {
+  TORCH_CHECK(x.dim() == 2 && residual.dim() == 2 && x.sizes() == residual.sizes(),
+              "x and residual must both be [T, hidden]");
+  TORCH_CHECK(x.stride(1) == 1 && residual.stride(1) == 1, "rows must be contiguous");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type() &&
+                  weight.scalar_type() == x.scalar_type() && weight.is_contiguous(),
+              "x, residual and weight must share a dtype");
+  auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
+                            x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), x.size(0),
+                            x.size(1), out.stride(0), residual.stride(0), x.stride(0),
+                            static_cast<float>(eps));
+  });
+  return out;
+}
+
+// Rotate-half rotary embedding, in place. qk: [T, heads, D] (any row stride, heads and D
+// contiguous: the q or k columns of the fused qkv output); cos, sin: [max_pos, D/2] fp32;
+// positions: [T] int64.
+void rotary_inplace(torch::Tensor qk, torch::Tensor positions, torch::Tensor cos,
+                    torch::Tensor sin) {
+  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2),
+              "qk must be [T, heads, D] with heads and D contiguous");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous(),
+              "cos and sin must be contiguous fp32 tables");
+  positions = positions.to(torch::kLong).contiguous();
+  const int64_t T = qk.size(0), H = qk.size(1), D = qk.size(2), half = D / 2;
+  TORCH_CHECK(cos.size(1) == half, "cos/sin tables must be [max_pos, head_dim / 2]");
+  const int64_t row_stride = qk.stride(0), max_pos = cos.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " is past the table");
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qk.scalar_type(), "rotary", [&] {
+    scalar_t* base = qk.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* ct = c + pos[t] * half;
+        const float* st = s + pos[t] * half;
+        for (int64_t h = 0; h < H; ++h) {
+          scalar_t* x = base + t * row_stride + h * D;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+            x[i] = round_to<scalar_t>(x1 * ct[i] - x2 * st[i]);
+            x[i + half] = round_to<scalar_t>(x2 * ct[i] + x1 * st[i]);
+          }
+        }
+      }
+    });
+  });
+}
+
+// gate_up: [T, 2I] (gate then up). Returns rd(silu(gate)) * up, [T, I].
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up must be [T, 2I], rows contiguous");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, in_stride = gate_up.stride(0);
+  auto out = torch::empty({T, I}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul",
+                                  [&] {
+    const scalar_t* in = gate_up.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* g = in + t * in_stride;
+        const scalar_t* u = g + I;
+        scalar_t* ot = o + t * I;
+        for (int64_t i = 0; i < I; ++i) {
+          const float act = rd<scalar_t>(tandem::silu(static_cast<float>(g[i])));
+          ot[i] = round_to<scalar_t>(act * static_cast<float>(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}

@@ -1,0 +1,129 @@
+// Decode attention straight off the paged KV cache, for the CPU.
+//
+// One work item per (sequence, KV head): its G query heads are scored against the sequence's
+// keys block by block, softmaxed in fp32 and used to weigh the values. Nothing is gathered or
+// padded, so the cost follows each sequence's own length rather than the batch's longest.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#include "cpu_math.h"
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+
+
+// Calls fn(t, slot) for the sequence's tokens t = 0 .. len-1 in order, walking its block table
+// block by block (no division per token).
+template <typename Fn>
+inline void for_each_slot(const int64_t* table, int64_t len, int64_t block_size, Fn&& fn) {
+  for (int64_t blk = 0, t = 0; t < len; ++blk) {
+    const int64_t base = table[blk] * block_size;
+    const int64_t n = std::min(block_size, len - t);
+    for (int64_t i = 0; i < n; ++i, ++t) fn(t, base + i);
+  }
+}
+
+// D_FIXED is the head dimension when known at compile time (the inner loops then unroll and
+// vectorise without remainders), 0 for any other size.
+//
+// A work item is one sequence and a run of its KV heads: all of them when the batch alone keeps
+// every thread busy (each token's K and V rows are then read whole, in one pass), one head each
+// otherwise.
+template <typename T, int64_t D_FIXED>
+void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+                   const int64_t* lens, T* out, int64_t batch, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim_, int64_t block_size,
+                   int64_t table_width, float scale) {
+  const int64_t D = D_FIXED ? D_FIXED : head_dim_;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * D;  // between slots of the cache
+  const int64_t heads_per_item = batch >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / heads_per_item;
+  at::parallel_for(0, batch * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rows = heads_per_item * group;  // query heads of one item
+    std::vector<float> qf(rows * D), acc(rows * D), scores, denom(rows), vf(heads_per_item * D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / items_per_seq;
+      const int64_t h0 = (item % items_per_seq) * heads_per_item;
+      const int64_t len = lens[b];
+      const int64_t* table = tables + b * table_width;
+      const T* qb = q + (b * num_heads + h0 * group) * D;  // the item's query heads, in a row
+      for (int64_t i = 0; i < rows * D; ++i) qf[i] = to_float(qb[i]) * scale;
+      scores.resize(rows * len);
+      float* sc = scores.data();
+      for_each_slot(table, len, block_size, [&](int64_t t, int64_t slot) {
+        const T* krow = k_cache + slot * token_stride + h0 * D;
+        for (int64_t hh = 0, r = 0; hh < heads_per_item; ++hh) {
+          const T* kp = krow + hh * D;
+          for (int64_t g = 0; g < group; ++g, ++r) {
+            const float* qr = qf.data() + r * D;
+            float s = 0.f;
+            for (int64_t d = 0; d < D; ++d) s += qr[d] * to_float(kp[d]);
+            sc[r * len + t] = s;
+          }
+        }
+      });
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = sc + r * len;
+        float mx = sr[0];  // len >= 1; no infinities, so reassociating flags stay safe
+        for (int64_t t = 1; t < len; ++t) mx = std::max(mx, sr[t]);
+        for (int64_t t = 0; t < len; ++t) sr[t] = tandem::exp_nonpositive(sr[t] - mx);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) sum += sr[t];
+        denom[r] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for_each_slot(table, len, block_size, [&](int64_t t, int64_t slot) {
+        const T* vrow = v_cache + slot * token_stride + h0 * D;
+        for (int64_t i = 0; i < heads_per_item * D; ++i) vf[i] = to_float(vrow[i]);
+        for (int64_t hh = 0, r = 0; hh < heads_per_item; ++hh) {
+          const float* vp = vf.data() + hh * D;
+          for (int64_t g = 0; g < group; ++g, ++r) {
+            const float p = sc[r * len + t];
+            float* ar = acc.data() + r * D;
+            for (int64_t d = 0; d < D; ++d) ar[d] += p * vp[d];
+          }
+        }
+      });
+      T* ob = out + (b * num_heads + h0 * group) * D;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float inv = 1.f / denom[r];
+        for (int64_t d = 0; d < D; ++d) ob[r * D + d] = static_cast<T>(acc[r * D + d] * inv);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]; tables: [B, W] int64;
+// lens: [B] int64 (tokens in cache, >= 1). Returns [B, H, D].
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, torch::Tensor tables,
+                                     torch::Tensor lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be [B,H,D], cache [N,bs,KVH,D]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  q = q.contiguous();
+  tables = tables.to(torch::kLong).contiguous();
+  lens = lens.to(torch::kLong).contiguous();
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache must be contiguous");
+  auto out = torch::empty_like(q);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    auto run = [&](auto kernel) {
+      kernel(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+             tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B,
+             H, KVH, D, bs, tables.size(1), static_cast<float>(scale));
+    };
+    if (D == 64) run(decode_kernel<scalar_t, 64>);
+    else if (D == 128) run(decode_kernel<scalar_t, 128>);
+    else run(decode_kernel<scalar_t, 0>);
+  });
+  return out;
+}

@@ -1,0 +1,74 @@
+"""Linear layers whose weights are prepacked for oneDNN on the CPU.
+
+A decode step is a chain of skinny matmuls (one row per running sequence) that must stream
+every weight from memory once. `F.linear` hands them to a GEMM laid out for large batches,
+which reads the weights at about a third of this machine's memory bandwidth; oneDNN's kernels
+over a weight reordered once, at load, into its own blocked layout read them two to three times
+faster at 1 to 64 rows and are no slower on prefill's hundreds of rows (see
+`benchmarks/step_latency.py`). vLLM's CPU backend prepacks its weights for oneDNN for the same
+reason.
+
+Packing replaces the dense weight: the layer keeps only the packed copy. It is CPU-only and
+optional: without oneDNN, or with TANDEM_CPU_KERNELS=0, layers stay plain `nn.Linear` and the
+engine says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+class PackedLinear(nn.Linear):
+    """`nn.Linear` that, once packed (`pack_linears`), multiplies by a oneDNN-packed copy of its
+    weight."""
+
+    packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(
+            x.contiguous(), self.packed, self.bias, "none", [], ""
+        )
+
+
+def packing_available(device: torch.device) -> str | None:
+    """None when weights can be packed on this device, else why not."""
+    if device.type != "cpu":
+        return f"weights are packed for the CPU only (device {device})"
+    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
+        return "TANDEM_CPU_KERNELS=0"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN (mkldnn)"
+    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return "this torch build lacks mkldnn._linear_pointwise"
+    return None
+
+
+def pack_linears(model: nn.Module, device: torch.device) -> int:
+    """Pack every PackedLinear of `model` in place; returns how many were packed. A model
+    that cannot be packed keeps plain linears, and the reason is logged (on the CPU, as a
+    warning: decode steps run about twice as slow without it)."""
+    why_not = packing_available(device)
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.packed is None]
+    if why_not is not None:
+        if device.type == "cpu":
+            log.warning("linear weights not packed for oneDNN (%s): slower decode steps", why_not)
+        return 0
+    try:
+        with torch.no_grad():
+            packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach()) for m in layers]
+    except RuntimeError as e:  # an odd dtype or build: fall back, loudly, never fail the load
+        log.warning("linear weights not packed for oneDNN (%s): slower decode steps", e)
+        return 0
+    for m, p in zip(layers, packed):
+        m.packed = p
+        m.weight = None  # the dense copy goes, unless shared (a tied lm_head's embedding)
+    return len(layers)
