@@ -18,6 +18,45 @@ DEFAULT_VLLM_PYTHON = Path(
 )
 
 
+def vllm_env(threads: int | None) -> dict[str, str]:
+    """The environment for a vLLM process. vLLM's CPU backend binds its model worker to all
+    cores but one by default (`VLLM_CPU_OMP_THREADS_BIND=auto`), keeping that one for its
+    scheduler process: on two cores, one compute thread. With `threads`, its worker is bound
+    to cores 0..threads-1, the threads Tandem computes on, and nothing is reserved, so both run
+    on the same threads; None keeps vLLM's own default."""
+    env = dict(os.environ)
+    if threads is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}" if threads > 1 else "0"
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    return env
+
+
+def run_worker(name: str, cmd: list[str], job: dict, timeout: float, env=None):
+    """Run one system's worker process: the job as JSON on stdin, its `RESULT <json>` line
+    read back. Returns (payload, None), or (None, why it failed)."""
+    import subprocess
+
+    log(f"[{name}] starting")
+    try:
+        proc = subprocess.run(
+            cmd,
+            input=json.dumps(job),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout:.0f} s"
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :]), None
+    tail = (proc.stderr or proc.stdout)[-2000:]
+    log(f"[{name}] failed (exit {proc.returncode}):\n{tail}")
+    return None, f"exit {proc.returncode}: {tail[-500:]}"
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,8 @@ from benchmarks.common import (  # noqa: E402
     log,
     median,
     print_table,
+    run_worker,
+    vllm_env,
 )
 
 SYSTEMS = [
@@ -184,24 +185,16 @@ def run_system(system: str, job: dict, vllm_python: Path, timeout: float) -> dic
             return {"skipped": f"no vLLM virtualenv at {vllm_python} (see the README)"}
         cmd = [str(vllm_python), str(ROOT / "benchmarks" / "_vllm_offline.py")]
         job = {**job, "enforce_eager": system == "vllm-eager"}
+        env = vllm_env(job["vllm_threads"])
     else:
         cmd = [sys.executable, __file__, "--worker", system]
-    log(f"[{system}] starting")
-    try:
-        proc = subprocess.run(
-            cmd, input=json.dumps(job), capture_output=True, text=True, timeout=timeout, cwd=ROOT
-        )
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            runs = json.loads(line[len("RESULT ") :])["runs"]
-            rates = [r["output_tokens"] / r["seconds"] for r in runs]
-            log(f"[{system}] median {median(rates):.1f} tok/s")
-            return {"runs": runs, "tokens_per_s": rates, "median_tokens_per_s": median(rates)}
-    tail = (proc.stderr or proc.stdout)[-2000:]
-    log(f"[{system}] failed (exit {proc.returncode}):\n{tail}")
-    return {"error": f"exit {proc.returncode}: {tail[-500:]}"}
+        env = None
+    payload, error = run_worker(system, cmd, job, timeout, env)
+    if error is not None:
+        return {"error": error}
+    rates = [r["output_tokens"] / r["seconds"] for r in payload["runs"]]
+    log(f"[{system}] median {median(rates):.1f} tok/s")
+    return {"runs": payload["runs"], "tokens_per_s": rates, "median_tokens_per_s": median(rates)}
 
 
 def plot(results: dict, path: Path, title: str) -> None:
@@ -235,6 +228,12 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=None, help="first N requests only")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
+    p.add_argument(
+        "--vllm-threads",
+        type=int,
+        default=2,
+        help="cores vLLM's model worker is bound to (0: vLLM's default, all but one)",
+    )
     p.add_argument("--timeout", type=float, default=3600, help="seconds per system")
     p.add_argument("--out", type=Path, default=RESULTS / "offline_throughput.json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -254,6 +253,7 @@ def main() -> None:
         "max_model_len": args.max_model_len,
         "runs": args.runs,
         "requests": requests,
+        "vllm_threads": args.vllm_threads or None,
     }
     total = sum(r["max_tokens"] for r in requests)
     log(

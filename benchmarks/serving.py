@@ -43,6 +43,7 @@ from benchmarks.common import (  # noqa: E402
     export_default_model,
     log,
     print_table,
+    vllm_env,
 )
 
 SYSTEMS = ["tandem-disagg", "tandem-colocated", "tandem-colocated-unchunked", "vllm"]
@@ -256,7 +257,11 @@ async def run_tandem(
 
 
 async def run_vllm(
-    vllm_python: Path, model_dir: Path, trace: list[dict], dtype: str = "bfloat16"
+    vllm_python: Path,
+    model_dir: Path,
+    trace: list[dict],
+    dtype: str = "bfloat16",
+    threads: int | None = 2,
 ) -> tuple:
     from cluster.redis_server import free_port
 
@@ -283,7 +288,7 @@ async def run_vllm(
         "smollm2",
     ]
     logf = open(RESULTS / "vllm_server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=vllm_env(threads))
     try:
         import aiohttp
 
@@ -385,7 +390,9 @@ async def amain(args) -> None:
                     if not args.vllm_python.is_file():
                         summaries[system] = {"skipped": f"no vLLM at {args.vllm_python}"}
                         break
-                    records, t0 = await run_vllm(args.vllm_python, model_dir, trace, args.dtype)
+                    records, t0 = await run_vllm(
+                        args.vllm_python, model_dir, trace, args.dtype, args.vllm_threads or None
+                    )
                 else:
                     records, t0 = await run_tandem(
                         system,
@@ -488,6 +495,12 @@ def main() -> None:
     )
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
+    p.add_argument(
+        "--vllm-threads",
+        type=int,
+        default=2,
+        help="cores vLLM's model worker is bound to (0: vLLM's default, all but one)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "serving.json")
     asyncio.run(amain(p.parse_args()))
 

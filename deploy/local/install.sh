@@ -26,3 +26,12 @@ if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
+# The CPU kernels compile once per machine, for its own CPU (-march=native; about 30 s, cached
+# under ~/.cache/torch_extensions): built here, the first worker to load a model does not pay
+# for it while it starts. TANDEM_BUILD_KERNELS=0 skips it (an image built for other machines).
+if [ "${TANDEM_BUILD_KERNELS:-1}" != 0 ] \
+  && "$PY" -c 'import sys, torch; sys.exit(torch.cuda.is_available())'; then
+  echo "[install] building the CPU kernels (once per machine)"
+  "$PY" -c 'from workers.model.cpu_kernels import cpu_kernels; cpu_kernels()' \
+    || echo "[install] the CPU kernels did not build: the model runs on torch ops (slower)"
+fi
