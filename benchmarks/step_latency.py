@@ -53,7 +53,7 @@ class TandemEngine:
         from workers.engine.request import SamplingParams
 
         self.params = SamplingParams
-        longest = max(job["contexts"] + job["prefills"]) + job["steps"] + 8
+        longest = max(job["contexts"] + job["prefills"]) + decode_budget(job["steps"]) + 8
         self.engine = LLMEngine(
             EngineConfig(
                 model=job["model_dir"],
@@ -87,7 +87,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        longest = max(job["contexts"] + job["prefills"]) + job["steps"] + 8
+        longest = max(job["contexts"] + job["prefills"]) + decode_budget(job["steps"]) + 8
         llm = LLM(
             model=job["model_dir"],
             dtype=job["dtype"],
@@ -123,6 +123,11 @@ class VLLMEngine:
         return self.engine.has_unfinished_requests()
 
 
+def decode_budget(steps: int) -> int:
+    """Tokens a timed decode request may produce: the timed loop runs at most 4x its steps."""
+    return 4 * steps + 64
+
+
 def step_until(engine, ids: list[str], counts: dict, at_least: int, limit_s: float = 600) -> None:
     """Step until every id has `at_least` tokens; a bounded wait."""
     deadline = time.monotonic() + limit_s
@@ -139,13 +144,13 @@ def step_until(engine, ids: list[str], counts: dict, at_least: int, limit_s: flo
 def measure_decode(engine, prompts: list[list[int]], steps: int) -> list[float]:
     """Per-step seconds of `steps` steps in which every sequence of the batch decoded one
     token (the prefills done first, untimed)."""
-    ids = [engine.add(p, steps + 64) for p in prompts]
+    ids = [engine.add(p, decode_budget(steps)) for p in prompts]
     counts = dict.fromkeys(ids, 0)
     step_until(engine, ids, counts, 1)
     times: list[float] = []
     try:
         for _ in range(4 * steps):
-            if len(times) == steps:
+            if len(times) == steps or not engine.busy():
                 break
             t = time.perf_counter()
             out = engine.step()

@@ -32,6 +32,6 @@ fi
 if [ "${TANDEM_BUILD_KERNELS:-1}" != 0 ] \
   && "$PY" -c 'import sys, torch; sys.exit(torch.cuda.is_available())'; then
   echo "[install] building the CPU kernels (once per machine)"
-  "$PY" -c 'from workers.model.cpu_kernels import cpu_kernels; cpu_kernels()' \
+  "$PY" -c 'import sys; from workers.model.cpu_kernels import cpu_kernels; sys.exit(cpu_kernels() is None)' \
     || echo "[install] the CPU kernels did not build: the model runs on torch ops (slower)"
 fi

@@ -133,27 +133,31 @@ def test_cpu_decode_kernel_matches_sdpa(tiny_llama_dir, dtype="float32"):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_kernel_numerics_against_a_dense_reference(dtype, tol):
+@pytest.mark.parametrize("d", [16, 64, 128])  # the generic kernel and both fixed head sizes
+@pytest.mark.parametrize("batch", [2, 9])  # one KV head per work item, and all heads per item
+def test_kernel_numerics_against_a_dense_reference(dtype, tol, d, batch):
     from workers.model.cpu_kernels import cpu_kernels
 
     kernel = cpu_kernels()
     if kernel is None:
         pytest.skip("no C++ compiler: the kernel could not be built")
     torch.manual_seed(0)
-    blocks, bs, kvh, d, heads = 32, 4, 2, 16, 6
+    blocks, bs, kvh, heads, width = 64, 4, 2, 6, 5
     k_cache = torch.randn(blocks, bs, kvh, d).to(dtype)
     v_cache = torch.randn(blocks, bs, kvh, d).to(dtype)
-    tables = torch.tensor([[3, 7, 1, 0], [9, 2, 0, 0]])
-    lens = torch.tensor([13, 5])
-    q = torch.randn(2, heads, d).to(dtype)
+    tables = torch.stack([torch.randperm(blocks)[:width] for _ in range(batch)])
+    lens = torch.tensor([1 + (7 * b + 12) % (width * bs) for b in range(batch)])
+    q = torch.randn(batch, heads, d).to(dtype)
     out = kernel.paged_decode_attention(q, k_cache, v_cache, tables, lens, d**-0.5)
     assert out.dtype == dtype
-    for b in range(2):
+    for b in range(batch):
         keys = k_cache[tables[b]].reshape(-1, kvh, d)[: lens[b]].repeat_interleave(3, dim=1)
         vals = v_cache[tables[b]].reshape(-1, kvh, d)[: lens[b]].repeat_interleave(3, dim=1)
         w = torch.einsum("hd,lhd->hl", q[b].float(), keys.float()).mul(d**-0.5).softmax(-1)
         want = torch.einsum("hl,lhd->hd", w, vals.float())
         torch.testing.assert_close(out[b].float(), want, atol=tol, rtol=tol)
+    with pytest.raises(RuntimeError, match="outside 1.."):
+        kernel.paged_decode_attention(q, k_cache, v_cache, tables, lens * 0, d**-0.5)
 
 
 def test_min_tokens_holds_back_eos_and_stop_strings(tiny_llama_dir):

@@ -14,6 +14,7 @@ Set TANDEM_CPU_KERNELS=0 to skip the kernels (and the oneDNN weight packing, lin
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -50,25 +51,42 @@ def cpu_kernels():
     global _module, _tried
     if _tried:
         return _module
-    with _lock:
-        if _tried:
-            return _module
-        _tried = True
-        if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
-            log.info("TANDEM_CPU_KERNELS=0: the CPU path runs on torch ops alone")
-            return None
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            _module = load_inline(
-                name="tandem_cpu_kernels_v2",
-                cpp_sources=[src.read_text() for src in _SOURCES],
-                extra_include_paths=[str(_CSRC)],
-                functions=_FUNCTIONS,
-                extra_cflags=_CFLAGS,
-                extra_ldflags=["-fopenmp"],
-            )
-        except Exception as e:  # a missing compiler must not stop the engine
-            log.warning("CPU kernels unavailable (%s); using torch ops (slower decode steps)", e)
-            _module = None
+    with _lock:  # a second caller waits for the build rather than going without
+        if not _tried:
+            _module = _build()
+            _tried = True
         return _module
+
+
+def _cpu_tag() -> str:
+    """A short hash of this CPU's model and flags: the build is `-march=native`, and torch's
+    cache keys only on sources and flags, so a cache shared between different CPUs must not
+    hand one of them the other's binary."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        info = platform.processor() + platform.machine()
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
+    return hashlib.sha1("\n".join(sorted(set(lines))).encode()).hexdigest()[:10]
+
+
+def _build():
+    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
+        log.info("TANDEM_CPU_KERNELS=0: the CPU path runs on torch ops alone")
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        return load_inline(
+            name=f"tandem_cpu_kernels_v2_{_cpu_tag()}",
+            cpp_sources=[src.read_text() for src in _SOURCES],
+            extra_include_paths=[str(_CSRC)],
+            functions=_FUNCTIONS,
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as e:  # a missing compiler must not stop the engine
+        log.warning("CPU kernels unavailable (%s); using torch ops (slower decode steps)", e)
+        return None

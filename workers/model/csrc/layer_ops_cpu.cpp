@@ -54,8 +54,9 @@ void rms_norm_rows(T* out, T* residual, const T* x, const T* w, int64_t rows, in
 // x: [T, hidden]. Returns RMSNorm(x) * weight, x untouched.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, hidden], rows contiguous");
-  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
-              "weight must be contiguous, of x's dtype");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type() &&
+                  weight.numel() == x.size(1),
+              "weight must be contiguous, [hidden], of x's dtype");
   auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), nullptr,
@@ -72,8 +73,9 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
               "x and residual must both be [T, hidden]");
   TORCH_CHECK(x.stride(1) == 1 && residual.stride(1) == 1, "rows must be contiguous");
   TORCH_CHECK(x.scalar_type() == residual.scalar_type() &&
-                  weight.scalar_type() == x.scalar_type() && weight.is_contiguous(),
-              "x, residual and weight must share a dtype");
+                  weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
+                  weight.numel() == x.size(1),
+              "x, residual and weight ([hidden], contiguous) must share a dtype");
   auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
@@ -96,7 +98,9 @@ void rotary_inplace(torch::Tensor qk, torch::Tensor positions, torch::Tensor cos
               "cos and sin must be contiguous fp32 tables");
   positions = positions.to(torch::kLong).contiguous();
   const int64_t T = qk.size(0), H = qk.size(1), D = qk.size(2), half = D / 2;
-  TORCH_CHECK(cos.size(1) == half, "cos/sin tables must be [max_pos, head_dim / 2]");
+  TORCH_CHECK(positions.numel() == T, "one position per row of qk");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == half && sin.sizes() == cos.sizes(),
+              "cos/sin tables must be [max_pos, head_dim / 2]");
   const int64_t row_stride = qk.stride(0), max_pos = cos.size(0);
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)

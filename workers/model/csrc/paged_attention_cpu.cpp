@@ -112,9 +112,19 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   tables = tables.to(torch::kLong).contiguous();
   lens = lens.to(torch::kLong).contiguous();
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache must be contiguous");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == q.scalar_type(),
+              "v_cache must match k_cache");
   auto out = torch::empty_like(q);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "q heads/dim do not fit the cache's");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && lens.numel() == B,
+              "tables must be [B, W] and lens [B]");
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = lens.data_ptr<int64_t>()[b];
+    TORCH_CHECK(len >= 1 && len <= tables.size(1) * bs, "sequence ", b, " has length ", len,
+                ", outside 1..", tables.size(1) * bs, " (its block table)");
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     auto run = [&](auto kernel) {
       kernel(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
