@@ -53,13 +53,12 @@ class TandemEngine:
         from workers.engine.request import SamplingParams
 
         self.params = SamplingParams
-        longest = max(job["contexts"] + job["prefills"]) + decode_budget(job["steps"]) + 8
         self.engine = LLMEngine(
             EngineConfig(
                 model=job["model_dir"],
                 dtype=job["dtype"],
                 max_num_seqs=max(job["batches"]),
-                max_model_len=max(2048, longest),
+                max_model_len=model_len(job),
                 num_threads=job["threads"],
             )
         )
@@ -87,12 +86,11 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        longest = max(job["contexts"] + job["prefills"]) + decode_budget(job["steps"]) + 8
         llm = LLM(
             model=job["model_dir"],
             dtype=job["dtype"],
             max_num_seqs=max(job["batches"]),
-            max_model_len=max(2048, longest),
+            max_model_len=model_len(job),
             seed=0,
             enforce_eager=eager,
             kv_cache_memory_bytes=2**30,
@@ -126,6 +124,11 @@ class VLLMEngine:
 def decode_budget(steps: int) -> int:
     """Tokens a timed decode request may produce: the timed loop runs at most 4x its steps."""
     return 4 * steps + 64
+
+
+def model_len(job: dict) -> int:
+    """The context every system is configured for: the longest prompt and its decode."""
+    return max(2048, max(job["contexts"] + job["prefills"]) + decode_budget(job["steps"]) + 8)
 
 
 def step_until(engine, ids: list[str], counts: dict, at_least: int, limit_s: float = 600) -> None:

@@ -72,8 +72,13 @@ def _cpu_tag() -> str:
     return hashlib.sha1("\n".join(sorted(set(lines))).encode()).hexdigest()[:10]
 
 
+def switched_off() -> bool:
+    """TANDEM_CPU_KERNELS=0: no kernels and no weight packing, torch ops alone."""
+    return os.environ.get("TANDEM_CPU_KERNELS", "1") == "0"
+
+
 def _build():
-    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
+    if switched_off():
         log.info("TANDEM_CPU_KERNELS=0: the CPU path runs on torch ops alone")
         return None
     try:

@@ -15,11 +15,12 @@ oneDNN, or with TANDEM_CPU_KERNELS=0, layers stay plain `nn.Linear` and the engi
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from workers.model.cpu_kernels import switched_off
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def packing_available(device: torch.device) -> str | None:
     """None when weights can be packed on this device, else why not."""
     if device.type != "cpu":
         return f"weights are packed for the CPU only (device {device})"
-    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
+    if switched_off():
         return "TANDEM_CPU_KERNELS=0"
     if not torch.backends.mkldnn.is_available():
         return "this torch build has no oneDNN (mkldnn)"

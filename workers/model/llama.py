@@ -42,13 +42,19 @@ class DecoderLayer(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.ops = None  # the fused CPU kernels, once LlamaForCausalLM.use_cpu_kernels sets them
 
+    def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as `[T, heads, head_dim]` views of the fused projection's columns."""
+        cfg = self.cfg
+        q, k, v = self.qkv_proj(h).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        return (
+            q.view(-1, cfg.num_heads, cfg.head_dim),
+            k.view(-1, cfg.num_kv_heads, cfg.head_dim),
+            v.view(-1, cfg.num_kv_heads, cfg.head_dim),
+        )
+
     def forward(self, x, positions, rope, backend, k_cache, v_cache, meta):
         cfg = self.cfg
-        h = self.input_layernorm(x)
-        q, k, v = self.qkv_proj(h).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = self._qkv(self.input_layernorm(x))
         q, k = rope(positions, q, k)
         attn = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         x = x + self.o_proj(attn.reshape(-1, cfg.q_size))
@@ -66,10 +72,7 @@ class DecoderLayer(nn.Module):
             h = ops.add_rms_norm(
                 delta, residual, self.input_layernorm.weight, self.input_layernorm.eps
             )
-        qkv = self.qkv_proj(h)
-        q = qkv[:, : cfg.q_size].view(-1, cfg.num_heads, cfg.head_dim)
-        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = qkv[:, cfg.q_size + cfg.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = self._qkv(h)
         ops.rotary_inplace(q, positions, rope.cos, rope.sin)
         ops.rotary_inplace(k, positions, rope.cos, rope.sin)
         attn = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
