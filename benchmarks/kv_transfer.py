@@ -1,16 +1,28 @@
-"""KV handoff bandwidth and latency against raw torch.distributed send/recv of the same bytes.
+"""The KV handoff's cost: its bandwidth against raw torch.distributed send/recv of the same
+bytes, and what it adds to a prefill once the prefill's compute is over.
 
-    python benchmarks/kv_transfer.py [--dtype float32] [--lengths 128,512,1024,4096] [--iters 10]
+    python benchmarks/kv_transfer.py [--part wire|prefill|both] [--dtype bfloat16]
+        [--lengths 128,...] [--iters 10] [--prefill-lengths 1024] [--runs 5]
 
-Two processes on loopback, each with one thread, joined by a gloo pair group exactly as a
-prefill and a decode worker are (TCPStore rendezvous, PairGroup). For each prompt length, the
-KV of SmolLM2-135M's layout is moved three ways, same bytes each time:
+Part `wire`: two processes on loopback, each with one thread, joined by a gloo pair group
+exactly as a prefill and a decode worker are (TCPStore rendezvous, PairGroup). For each prompt
+length, the KV of SmolLM2-135M's layout is moved three ways, same bytes each time:
 - raw: one contiguous tensor sent with the group's send/recv, then a 1-element ack back;
-- handoff (wire): Tandem's protocol (header, one tensor per layer, ack), tensors prepared;
-- handoff (end to end): plus the sender's export (gathering each layer's blocks out of its
-  paged cache while earlier layers are on the wire) and the receiver's import (scattering
-  each layer into the reserved blocks as it lands), as the workers run it.
-Median of --iters per cell; bandwidth is bytes / median seconds. Writes JSON and a PNG.
+- handoff (wire): Tandem's protocol (header, one tensor per layer, trailer, ack), tensors
+  prepared;
+- handoff (end to end): plus the sender's gather of each layer's blocks out of its paged
+  cache (into reused buffers, while earlier layers are on the wire) and the receiver's
+  scatter of each layer into the reserved blocks as it lands, as the workers run them.
+Median of --iters per cell; bandwidth is bytes / median seconds.
+
+Part `prefill`: real Ray actors, a prefill and a decode worker with the default model (one
+thread each, as `tandem up` gives them), and fresh random prompts, one at a time. For each it
+reports the prefill time (the `prefill` call, to its first token) and the handoff's tail: from
+the first token sampled to the decode worker having admitted the request (PushResult.seconds).
+Two prefill workers run side by side, alternating: one streams each layer's KV as the model
+computes it (the default), one sends after the prefill's compute.
+
+Writes JSON, and a PNG of part `wire`.
 """
 
 from __future__ import annotations
@@ -33,6 +45,8 @@ from kv_transfer.channel import StagingBuffers, recv_kv, send_kv  # noqa: E402
 from kv_transfer.layout import KVLayout  # noqa: E402
 from kv_transfer.protocol import TransferDescriptor  # noqa: E402
 from kv_transfer.torch_dist import PairGroup, store_client, store_server  # noqa: E402
+from workers.engine.model_runner import allocate_kv_cache, gather_layer, scatter_layer  # noqa: E402
+from workers.model.cpu_kernels import cpu_kernels  # noqa: E402
 
 CACHE_BLOCKS = 1024
 
@@ -42,31 +56,17 @@ def layout_for(dtype: str) -> KVLayout:
 
 
 def make_cache(layout: KVLayout):
-    shape = (CACHE_BLOCKS, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    return [
-        (torch.randn(shape).to(layout.torch_dtype), torch.randn(shape).to(layout.torch_dtype))
-        for _ in range(layout.num_layers)
-    ]
+    cache = allocate_kv_cache(layout, CACHE_BLOCKS, torch.device("cpu"))
+    for k, v in cache:
+        k.normal_()
+        v.normal_()
+    return cache
 
 
-def export_layer(cache, i: int, blocks: torch.Tensor) -> torch.Tensor:
-    # The same gather the prefill worker runs (ModelRunner.export_layer).
-    k, v = cache[i]
-    out = torch.empty((2, len(blocks), *k.shape[1:]), dtype=k.dtype)
-    torch.index_select(k, 0, blocks, out=out[0])
-    torch.index_select(v, 0, blocks, out=out[1])
-    return out
-
-
-def import_layer(cache, i: int, blocks: torch.Tensor, layer: torch.Tensor) -> None:
-    k, v = cache[i]
-    k.index_copy_(0, blocks, layer[0])
-    v.index_copy_(0, blocks, layer[1])
-
-
-def worker(rank: int, port_file: str, args: dict, out: str) -> None:
+def wire_worker(rank: int, port_file: str, args: dict, out: str) -> None:
     torch.set_num_threads(1)
     layout = layout_for(args["dtype"])
+    ops = cpu_kernels()  # the scatter kernel, as the decode worker has it
     if rank == 1:
         server = store_server("127.0.0.1")
         Path(port_file).write_text(str(server.port))
@@ -81,13 +81,14 @@ def worker(rank: int, port_file: str, args: dict, out: str) -> None:
     results = []
     for length in args["lengths"]:
         n_blocks = -(-length // layout.block_size)
-        blocks = torch.randperm(CACHE_BLOCKS, generator=gen)[:n_blocks]
+        # Scattered blocks, as a cache that has served a while holds them.
+        blocks = torch.randperm(CACHE_BLOCKS, generator=gen)[:n_blocks].tolist()
         nbytes = layout.bytes_per_block * n_blocks
         raw = torch.zeros(nbytes // layout.torch_dtype.itemsize, dtype=layout.torch_dtype)
         ack = torch.zeros(1, dtype=torch.int64)
-        desc = TransferDescriptor(f"req-{length}", layout, n_blocks, length, 7)
-        prepared = [export_layer(cache, j, blocks) for j in range(layout.num_layers)]
-        staging = StagingBuffers()
+        desc = TransferDescriptor(f"req-{length}", layout, n_blocks, length)
+        prepared = [gather_layer(cache[j], blocks) for j in range(layout.num_layers)]
+        staging, send_staging = StagingBuffers(), StagingBuffers()
         timings = {"raw": [], "wire": [], "end_to_end": []}
         for i in range(args["iters"] + 1):  # the first round warms up
             # raw
@@ -112,19 +113,16 @@ def worker(rank: int, port_file: str, args: dict, out: str) -> None:
             group.send([ack], 60) if rank == 0 else group.recv([ack], 60)
             t = time.perf_counter()
             if rank == 0:  # gather each layer while the previous ones are on the wire
-                send_kv(
-                    group,
-                    desc,
-                    (export_layer(cache, j, blocks) for j in range(layout.num_layers)),
-                    60,
-                )
+                bufs = send_staging.get(layout, n_blocks, "cpu")
+                layers = (gather_layer(cache[j], blocks, buf) for j, buf in enumerate(bufs))
+                send_kv(group, desc, layers, 60)
             else:  # scatter each layer into the cache as it lands
                 recv_kv(
                     group,
                     layout,
                     60,
                     staging=staging,
-                    on_layer=lambda j, t, b=blocks: import_layer(cache, j, b, t),
+                    on_layer=lambda j, t, b=blocks: scatter_layer(cache[j], b, t, ops),
                 )
             dt_e2e = time.perf_counter() - t
             if i:
@@ -143,25 +141,16 @@ def worker(rank: int, port_file: str, args: dict, out: str) -> None:
     group.close()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--lengths", default="128,256,512,1024,2048,4096")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--out", type=Path, default=RESULTS / "kv_transfer.json")
-    args = p.parse_args()
+def run_wire(args) -> list[dict]:
     job = {
         "dtype": args.dtype,
         "lengths": [int(x) for x in args.lengths.split(",")],
         "iters": args.iters,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     port_file = str(args.out.with_suffix(".port"))
     tmp = str(args.out.with_suffix(".tmp"))
     Path(port_file).unlink(missing_ok=True)
-    mp.spawn(worker, args=(port_file, job, tmp), nprocs=2, join=True)
+    mp.spawn(wire_worker, args=(port_file, job, tmp), nprocs=2, join=True)
     Path(port_file).unlink(missing_ok=True)
     rows = json.loads(Path(tmp).read_text())
     Path(tmp).unlink()
@@ -200,9 +189,110 @@ def main() -> None:
         ],
         table,
     )
-    args.out.write_text(json.dumps({"config": job, "results": rows}, indent=2))
     plot(rows, args.out.with_suffix(".png"), args.dtype)
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    return rows
+
+
+def run_prefill(args) -> list[dict]:
+    """The handoff's tail after real prefills, streamed and not, through the workers."""
+    import random
+
+    import ray
+
+    from workers.decode import DecodeWorker
+    from workers.engine.config import EngineConfig
+    from workers.engine.request import SamplingParams
+    from workers.messages import DecodeEndpoint, PrefillJob, RequestSpec
+    from workers.prefill import PrefillWorker
+
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, namespace="tandem-bench")
+    try:
+        cfg = EngineConfig(dtype=args.dtype, num_threads=1, kv_cache_gb=0.5)
+
+        def start(cls, name, **kwargs):
+            actor = (
+                ray.remote(cls)
+                .options(name=name, num_cpus=1, max_concurrency=16)
+                .remote(name, cfg, transfer_host="127.0.0.1", **kwargs)
+            )
+            return actor, ray.get(actor.info.remote(), timeout=300)
+
+        decode, dinfo = start(DecodeWorker, "bench-decode")
+        endpoint = DecodeEndpoint("bench-decode", dinfo.endpoint.host, dinfo.endpoint.port, decode)
+        senders = {
+            "streamed": start(PrefillWorker, "bench-prefill-streamed")[0],
+            "after prefill": start(PrefillWorker, "bench-prefill-after", stream_kv=False)[0],
+        }
+        rng = random.Random(0)
+        sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, seed=1)
+        samples = {(mode, n): [] for mode in senders for n in args.prefill_lengths}
+        for run in range(args.runs + 1):  # the first round warms up
+            for n in args.prefill_lengths:
+                for mode, prefill in senders.items():
+                    rid = f"r{run}-{n}-{mode.replace(' ', '-')}"
+                    prompt = tuple(rng.randrange(1000, 40000) for _ in range(n))
+                    assert ray.get(decode.reserve.remote(rid, 1, n, "bench", 120.0)) is not None
+                    t0 = time.perf_counter()
+                    job = PrefillJob(RequestSpec(rid, prompt, sp, router_id="bench"), endpoint)
+                    first = ray.get(prefill.prefill.remote(job), timeout=300)
+                    prefill_s = time.perf_counter() - t0
+                    push = ray.get(prefill.push_result.remote(rid), timeout=300)
+                    if not (first.ok and push.ok):
+                        raise RuntimeError(f"{rid}: {first.error or push.error}")
+                    while not any(
+                        e.request_id == rid and e.finished
+                        for e in ray.get(decode.poll.remote("bench", 1.0))
+                    ):
+                        pass
+                    if run:
+                        samples[mode, n].append((prefill_s, push.seconds))
+                    ms = (prefill_s * 1e3, push.seconds * 1e3)
+                    print(f"  {rid}: prefill {ms[0]:.0f} ms, tail {ms[1]:.1f} ms", flush=True)
+    finally:
+        ray.shutdown()
+    rows, table = [], []
+    for (mode, n), xs in samples.items():
+        prefill_s = statistics.median(x[0] for x in xs)
+        tail_s = statistics.median(x[1] for x in xs)
+        rows.append(
+            {
+                "mode": mode,
+                "prompt_tokens": n,
+                "prefill_s": prefill_s,
+                "tail_s": tail_s,
+                "tail_vs_prefill": tail_s / prefill_s,
+                "samples": xs,
+            }
+        )
+        table.append(
+            [n, mode, f"{prefill_s * 1e3:.0f}", f"{tail_s * 1e3:.1f}", f"{tail_s / prefill_s:.1%}"]
+        )
+    print_table(["prompt", "KV sent", "prefill ms", "tail ms", "tail / prefill"], table)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--part", default="both", choices=("wire", "prefill", "both"))
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument("--lengths", default="128,256,512,1024,2048,4096")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument(
+        "--prefill-lengths", default="1024", type=lambda v: [int(x) for x in v.split(",")]
+    )
+    p.add_argument("--runs", type=int, default=5, help="prompts per length and mode (part prefill)")
+    p.add_argument("--out", type=Path, default=RESULTS / "kv_transfer.json")
+    args = p.parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"config": {k: str(v) for k, v in vars(args).items()}}
+    if args.part in ("wire", "both"):
+        result["wire"] = run_wire(args)
+    if args.part in ("prefill", "both"):
+        result["prefill"] = run_prefill(args)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
 
 
 def plot(rows, path: Path, dtype: str) -> None:

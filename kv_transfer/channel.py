@@ -8,6 +8,7 @@ error the channel is broken for good (close it, and open a new one for the next 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -15,9 +16,14 @@ from kv_transfer.layout import KVLayout
 from kv_transfer.protocol import (
     ACK_OK,
     ACK_REFUSED,
+    TRAILER_ABORTED,
+    TRAILER_MAX_BYTES,
+    TRAILER_OK,
+    TransferAborted,
     TransferDescriptor,
     TransferError,
     empty_header,
+    trailer,
 )
 
 
@@ -71,19 +77,33 @@ class StagingBuffers:
         return [f[:numel].view(shape) for f in self._flat]
 
 
-def send_kv(channel: KVChannel, desc: TransferDescriptor, layers, timeout_s: float) -> None:
-    """Sender side: header, per-layer payload, then wait for the receiver's ack.
+def send_kv(
+    channel: KVChannel,
+    desc: TransferDescriptor,
+    layers,
+    timeout_s: float,
+    verdict: Callable[[], tuple[bool, bytes]] | None = None,
+) -> None:
+    """Sender side: header, per-layer payload, trailer, then wait for the receiver's ack.
 
     `layers` may be a lazy iterable: each layer is posted as soon as it is produced, so
-    gathering layer i+1 out of the cache overlaps with sending layer i."""
+    producing layer i+1 (computing it, gathering it out of the cache) overlaps with sending
+    layer i. `verdict()`, called once every layer is posted, gives the trailer: (True,
+    payload) to deliver the payload with the KV, or (False, reason) to abort the transfer
+    (the receiver drops it; TransferAborted is raised here too). Without it: (True, b"")."""
     channel.send([desc.encode()], timeout_s)
     handles = [channel.post_send(t.contiguous()) for t in layers]
     if len(handles) != desc.layout.num_layers:
         raise ValueError(f"{len(handles)} layers given, layout has {desc.layout.num_layers}")
+    ok, payload = verdict() if verdict is not None else (True, b"")
     for h in handles:
         channel.wait(h, timeout_s)
+    channel.send(trailer(ok, payload), timeout_s)
     ack = torch.zeros(1, dtype=torch.int64)
     channel.recv([ack], timeout_s)
+    if not ok:
+        reason = payload.decode(errors="replace")
+        raise TransferAborted(f"the KV of {desc.request_id} was aborted: {reason}")
     if ack.item() != ACK_OK:
         raise TransferError(f"receiver refused the KV of {desc.request_id} (status {ack.item()})")
 
@@ -96,9 +116,10 @@ def recv_kv(
     accept=None,
     staging: StagingBuffers | None = None,
     on_layer=None,
-) -> tuple[TransferDescriptor, list]:
+) -> tuple[TransferDescriptor, bytes]:
     """Receiver side: read the header, check it against our layout (and `accept(desc)`, which
-    may refuse a request it does not expect), read the layers, ack.
+    may refuse a request it does not expect), read the layers and the trailer, ack. Returns
+    the header and the trailer's payload; TransferAborted if the sender aborted.
 
     With `on_layer(i, tensor)`, each layer is handed over as soon as it lands (to be copied
     into the reserved blocks) while later layers are still arriving. With `staging`, the
@@ -121,9 +142,21 @@ def recv_kv(
         channel.wait(h, timeout_s)
         if ok and on_layer is not None:
             on_layer(i, layers[i])
+    head = torch.zeros(2, dtype=torch.int64, device=device)
+    channel.recv([head], timeout_s)
+    status, size = head.tolist()
+    if status not in (TRAILER_OK, TRAILER_ABORTED) or not 0 <= size <= TRAILER_MAX_BYTES:
+        raise TransferError(f"bad KV trailer for {desc.request_id}: status {status}, {size} B")
+    body = torch.zeros(size, dtype=torch.uint8, device=device)
+    if size:
+        channel.recv([body], timeout_s)
+    payload = body.cpu().numpy().tobytes()
     channel.send(
         [torch.tensor([ACK_OK if ok else ACK_REFUSED], dtype=torch.int64, device=device)], timeout_s
     )
+    if status == TRAILER_ABORTED:
+        reason = payload.decode(errors="replace")
+        raise TransferAborted(f"the sender aborted the KV of {desc.request_id}: {reason}")
     if not ok:
         raise TransferError(f"refused KV for {desc.request_id}: no reservation matches it")
-    return desc, layers
+    return desc, payload

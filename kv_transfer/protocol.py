@@ -6,11 +6,14 @@ compare `KVLayout`s (the handshake) and refuse to move any bytes on a mismatch. 
 request, in this order:
 
 1. header: a fixed-size int64 tensor: magic, version, the layout, block count, prompt length,
-   the first sampled token, and the request id (UTF-8, zero-padded);
+   and the request id (UTF-8, zero-padded);
 2. payload: one tensor per layer, `[2, num_blocks, block_size, kv_heads, head_dim]` (K, V);
-3. ack: the receiver answers one int64 status, so the sender knows the blocks landed.
-
-The first token travels with the KV, so the decode worker can start generating at once.
+3. trailer: int64 `[status, n]`, then n bytes: the sender's verdict and an opaque payload
+   (the workers put the first sampled tokens there). The layers may leave while the prefill
+   is still computing later layers, before the first token exists: the trailer, sent last,
+   carries what is known only at the end, or says the sender gave up (TRAILER_ABORTED, the
+   payload then says why; the receiver drops what it got and the pair stays usable);
+4. ack: the receiver answers one int64 status, so the sender knows the blocks landed.
 """
 
 from __future__ import annotations
@@ -22,16 +25,24 @@ import torch
 from kv_transfer.layout import DTYPE_CODES, KVLayout, LayoutMismatch
 
 MAGIC = 0x54414E44  # "TAND"
-VERSION = 1
+VERSION = 2
 _ID_BYTES = 64
 _FIXED = 11
 HEADER_LEN = _FIXED + _ID_BYTES // 8
 ACK_OK = 0
 ACK_REFUSED = 1
+TRAILER_OK = 0
+TRAILER_ABORTED = 1
+TRAILER_MAX_BYTES = 1 << 20
 
 
 class TransferError(RuntimeError):
     """A transfer failed or timed out; the pair that carried it must be rebuilt."""
+
+
+class TransferAborted(TransferError):
+    """The sender gave up on a transfer it had begun (its prefill failed, or was cancelled),
+    and said so in the trailer: nothing landed for good, and the pair is still in step."""
 
 
 @dataclass(frozen=True)
@@ -40,7 +51,6 @@ class TransferDescriptor:
     layout: KVLayout
     num_blocks: int
     num_tokens: int  # prompt tokens whose KV is carried
-    first_token: int
 
     def __post_init__(self) -> None:
         if len(self.request_id.encode()) > _ID_BYTES:
@@ -61,7 +71,7 @@ class TransferDescriptor:
             DTYPE_CODES[lay.dtype],
             self.num_blocks,
             self.num_tokens,
-            self.first_token,
+            0,  # reserved
             0,
         ]
         rid = self.request_id.encode().ljust(_ID_BYTES, b"\0")
@@ -82,8 +92,17 @@ class TransferDescriptor:
         except LayoutMismatch as e:
             raise TransferError(str(e)) from e
         rid = header[_FIXED:].contiguous().numpy().tobytes().rstrip(b"\0").decode()
-        return cls(rid, layout, h[7], h[8], h[9])
+        return cls(rid, layout, h[7], h[8])
 
 
 def empty_header() -> torch.Tensor:
     return torch.zeros(HEADER_LEN, dtype=torch.int64)
+
+
+def trailer(ok: bool, payload: bytes) -> list[torch.Tensor]:
+    """The trailer's tensors: `[status, n]`, then the n payload bytes if n > 0."""
+    if len(payload) > TRAILER_MAX_BYTES:
+        raise ValueError(f"trailer payload of {len(payload)} bytes (at most {TRAILER_MAX_BYTES})")
+    head = torch.tensor([TRAILER_OK if ok else TRAILER_ABORTED, len(payload)], dtype=torch.int64)
+    body = [torch.frombuffer(bytearray(payload), dtype=torch.uint8)] if payload else []
+    return [head, *body]

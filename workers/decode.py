@@ -5,8 +5,9 @@ A request reaches it in three calls:
    transfer never lands in a full cache (a reservation not filled in time is given back);
 2. `open_pair(prefill, generation, layout)` once per prefill worker (and per rebuild): the
    layout handshake, then the two-rank process group over this worker's TCPStore;
-3. `receive_kv(prefill, generation, admission)`: called by the prefill worker just before it
-   sends; receives the KV into the reserved blocks and admits the request with its new token.
+3. `receive_kv(prefill, generation, spec)`: called by the prefill worker as the step that
+   completes the request's KV begins; receives each layer into the reserved blocks as the
+   prefill computes it, then the first tokens (the transfer's trailer), and admits the request.
 
 Then the engine loop decodes it with the rest of the batch, and the TokenRelay carries each
 step's tokens to the router that follows the request (`poll`) and to the token log. A failed
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 
 from kv_transfer.channel import StagingBuffers, recv_kv
 from kv_transfer.layout import KVLayout, LayoutMismatch
-from kv_transfer.protocol import TransferError
+from kv_transfer.protocol import TransferAborted, TransferError
 from kv_transfer.torch_dist import PairGroup, store_server
 from workers.engine.engine import RequestOutput
 from workers.engine.request import FinishReason, choice_id, choice_index
@@ -38,7 +39,6 @@ from workers.engine.scheduler_output import SampledToken
 from workers.messages import (
     DecodeEndpoint,
     FirstToken,
-    KVAdmission,
     Pool,
     PushResult,
     RequestSpec,
@@ -47,6 +47,7 @@ from workers.messages import (
     TokenEvent,
     TokenLog,
     WorkerInfo,
+    decode_first,
     first_event,
 )
 from workers.token_relay import TokenRelay
@@ -163,9 +164,9 @@ class DecodeWorker(WorkerBase):
         if old is not None:
             old[1].close()
 
-    def receive_kv(self, prefill: str, generation: int, admission: KVAdmission) -> PushResult:
-        """Receive one request's KV on the pair with `prefill`, then admit the request."""
-        spec = admission.spec
+    def receive_kv(self, prefill: str, generation: int, spec: RequestSpec) -> PushResult:
+        """Receive one request's KV and first tokens on the pair with `prefill`, then admit
+        the request."""
         rid = spec.request_id
         with self._pair_lock:
             current = self.pairs.get(prefill)
@@ -179,7 +180,7 @@ class DecodeWorker(WorkerBase):
             t0 = time.perf_counter()
             # Each layer goes straight into the reserved blocks as it lands; nothing reads
             # reserved blocks until the request is admitted below.
-            desc, _ = recv_kv(
+            _, payload = recv_kv(
                 current[1],
                 self.layout,
                 self.transfer_timeout_s,
@@ -188,16 +189,18 @@ class DecodeWorker(WorkerBase):
                 staging=self.staging.setdefault(prefill, StagingBuffers()),
                 on_layer=lambda i, t: self.engine.import_kv_layer(i, blocks[: t.shape[1]], t),
             )
+            first = decode_first(payload)
             seconds = time.perf_counter() - t0
             if self._done_receiving(rid):  # cancelled meanwhile
                 self.on_loop(self._drop, rid)
                 return PushResult(rid, True, seconds)
-            self.on_loop(self._admit, admission, desc.first_token)
+            self.on_loop(self._admit, spec, first)
             return PushResult(rid, True, seconds)
         except Exception as e:
             message = f"KV transfer {prefill} -> {self.name} failed: {e}"
             log.warning("request %s: %s", rid, message)
-            if current is not None and isinstance(e, TransferError):
+            broken = isinstance(e, TransferError) and not isinstance(e, TransferAborted)
+            if current is not None and broken:
                 self._drop_pair(prefill, current[0])
             self._done_receiving(rid)
             self.loop.call(self._fail, rid, spec.attempt, message)
@@ -224,16 +227,15 @@ class DecodeWorker(WorkerBase):
             return False
 
     # -- on the loop thread -----------------------------------------------------------------
-    def _admit(self, admission: KVAdmission, token: int) -> None:
-        spec = admission.spec
+    def _admit(self, spec: RequestSpec, first: tuple[FirstToken, ...]) -> None:
         rid = spec.request_id
         held = self._held.get(rid)
         if held is None or held.attempt != spec.attempt or held.reserved_until is None:
             return  # cancelled or superseded while the KV was in flight
-        first = admission.first
-        if len(first) != spec.choices or first[0].token_id != token:
-            self._fail(rid, spec.attempt, f"{rid}: the admission disagrees with the KV header")
+        if len(first) != spec.choices:
+            self._fail(rid, spec.attempt, f"{rid}: {len(first)} first tokens, not {spec.choices}")
             return
+        token = first[0].token_id
         outputs = [*spec.output_ids, token]
         # Choices cancelled before the KV landed, or already here under a newer attempt (a
         # lone replay of theirs), are not forked.

@@ -1,12 +1,18 @@
 """The prefill side of the KV handoff to one decode worker: a thread that pushes one
 request's KV at a time over that pair's process group.
 
+A push starts as the step that completes its request's KV begins, not after it: the model
+marks each layer done (LayerProgress) and the sender gathers that layer out of the cache and
+puts it on the wire while the model computes the next ones. By the time the first token is
+sampled, only the last layer and the trailer (which carries the first tokens) are left, so
+the handoff adds almost nothing to the time to first token.
+
 For each push, in order: open the pair group if there is none (the layout handshake first),
-ask the decode worker to receive (`receive_kv`, with the KVAdmission), send the header and the
-layers (each gathered out of the cache while the one before is on the wire), wait for the
-receiver's answer. The sender never touches the engine: it is handed a `gather` function for
-the layers and a `release` function for the blocks, called exactly once per push, whatever
-happens.
+ask the decode worker to receive (`receive_kv`, with the request's spec), send the header and
+each layer as it is computed, then the trailer: the first tokens, or, if the prefill failed or
+was cancelled, an abort that the receiver drops (the pair stays in step). The sender never
+touches the engine: it is handed a `gather` function for the layers and a `release` function
+for the blocks, called exactly once per push, whatever happens.
 
 A failed push closes the pair (the next push rebuilds it under a new generation) and tells
 the decode worker, which frees the reservation and reports the attempt as failed.
@@ -19,29 +25,85 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 
 import torch
 
-from kv_transfer.channel import send_kv
+from kv_transfer.channel import StagingBuffers, send_kv
 from kv_transfer.layout import KVLayout
-from kv_transfer.protocol import TransferDescriptor, TransferError
+from kv_transfer.protocol import TransferAborted, TransferDescriptor, TransferError
 from kv_transfer.torch_dist import PairGroup, store_client
-from workers.messages import DecodeEndpoint, KVAdmission, PushResult
+from workers.messages import DecodeEndpoint, FirstToken, PushResult, RequestSpec, encode_first
 
 log = logging.getLogger(__name__)
 
 
+class LayerProgress:
+    """How far one step's forward has got: the model calls `mark(i)` (on the engine's loop
+    thread) once layer i has written its KV; senders `wait` for the layer they need next. A
+    step that fails calls `abort`, and waiters stop waiting. On CUDA each mark records an
+    event, and the wait syncs on it, not on the whole step."""
+
+    def __init__(self, num_layers: int, device: torch.device, complete: bool = False) -> None:
+        self.num_layers = num_layers
+        self._cuda = device.type == "cuda"
+        self._cond = threading.Condition()
+        self._done = num_layers if complete else 0
+        self._events: list = []
+        self._aborted = ""
+
+    def mark(self, layer: int) -> None:
+        event = None
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record()
+        with self._cond:
+            self._events += [event] * (layer + 1 - len(self._events))  # layers up to this one
+            self._done = layer + 1
+            self._cond.notify_all()
+
+    def abort(self, reason: str) -> None:
+        with self._cond:
+            self._aborted = reason or "the prefill step failed"
+            self._cond.notify_all()
+
+    def wait(self, layer: int, timeout_s: float) -> None:
+        """Until layer `layer` has written its KV; RuntimeError if the step failed or this
+        takes longer than timeout_s."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._done > layer or self._aborted, timeout_s):
+                raise RuntimeError(f"layer {layer} not computed within {timeout_s:.0f} s")
+            if self._done <= layer:
+                raise RuntimeError(self._aborted)
+            event = self._events[layer] if layer < len(self._events) else None
+        if event is not None:
+            event.synchronize()
+
+
 @dataclass
 class Push:
-    admission: KVAdmission
+    spec: RequestSpec
     blocks: list[int]  # held in the prefill worker's cache until `release` is called
     desc: TransferDescriptor
+    progress: LayerProgress
+    # Each choice's first token once sampled, or a string: why there are none.
+    first: Future = field(default_factory=Future)
+    computed_at: float = 0.0  # perf_counter when `first` was set: the prefill's end
     cancelled: bool = False
+    missing: str = ""  # why a layer went out unfilled; the transfer is then aborted
 
     @property
     def request_id(self) -> str:
         return self.desc.request_id
+
+    def resolve(self, first: tuple[FirstToken, ...] | str) -> None:
+        """Called once the prefill step is over: its first tokens, or why it has none."""
+        self.computed_at = time.perf_counter()
+        if isinstance(first, str):
+            self.progress.abort(first)
+        self.first.set_result(first)
 
 
 class KVSender:
@@ -53,7 +115,7 @@ class KVSender:
         device: torch.device,
         bind_host: str,
         timeout_s: float,
-        gather: Callable[[int, list[int]], torch.Tensor],
+        gather: Callable[[int, list[int], torch.Tensor], torch.Tensor],
         release: Callable[[list[int]], None],
         on_done: Callable[[Push, PushResult], None],
     ) -> None:
@@ -62,6 +124,7 @@ class KVSender:
         self.timeout_s = timeout_s
         self.gather, self.release, self.on_done = gather, release, on_done
         self.group: PairGroup | None = None
+        self.staging = StagingBuffers()  # reused per layer; a push waits for its sends
         self.generation = 0
         self.queue: queue.Queue[Push | None] = queue.Queue()
         self.thread = threading.Thread(
@@ -92,15 +155,22 @@ class KVSender:
         if push.cancelled:
             return PushResult(rid, False, error="cancelled")
         try:
-            t0 = time.perf_counter()
             self._ensure_group()
-            ref = handle.receive_kv.remote(self.source, self.generation, push.admission)
-            layers = (self.gather(i, push.blocks) for i in range(self.layout.num_layers))
-            send_kv(self.group, push.desc, layers, self.timeout_s)
+            ref = handle.receive_kv.remote(self.source, self.generation, push.spec)
+            send_kv(
+                self.group,
+                push.desc,
+                self._layers(push),
+                self.timeout_s,
+                verdict=lambda: self._verdict(push),
+            )
             received: PushResult = ray.get(ref, timeout=self.timeout_s + 5)
             if not received.ok:
                 raise TransferError(received.error or "the receiver failed")
-            return PushResult(rid, True, time.perf_counter() - t0)
+            return PushResult(rid, True, time.perf_counter() - push.computed_at)
+        except TransferAborted as e:  # the receiver dropped it and reported the attempt
+            log.info("request %s: KV push aborted (%s)", rid, e)
+            return PushResult(rid, False, error=str(e))
         except Exception as e:
             message = f"KV push {self.source} -> {self.target.name} failed: {e}"
             log.warning("request %s: %s", rid, message)
@@ -109,12 +179,38 @@ class KVSender:
                 self.group = None  # rebuilt, with a new generation, at the next push
             try:  # the decode worker frees the reservation and reports the attempt failed
                 ray.get(
-                    handle.fail_request.remote(rid, push.admission.spec.attempt, message),
+                    handle.fail_request.remote(rid, push.spec.attempt, message),
                     timeout=self.timeout_s,
                 )
             except Exception as e2:  # it may be the one that died; the router sees that too
                 log.warning("request %s: could not tell %s (%s)", rid, self.target.name, e2)
             return PushResult(rid, False, error=message)
+
+    def _layers(self, push: Push):
+        """Each layer once the model has written it, gathered into reused buffers. If the
+        step fails, the rest go out as they are (the trailer then aborts the transfer), so
+        the pair stays in step."""
+        bufs = self.staging.get(self.layout, len(push.blocks), self.device)
+        failed = False
+        for i, buf in enumerate(bufs):
+            if not failed:
+                try:
+                    push.progress.wait(i, self.timeout_s)
+                except RuntimeError as e:
+                    failed = True
+                    push.missing = f"layer {i} of its KV was never computed: {e}"
+            yield buf if failed else self.gather(i, push.blocks, buf)
+
+    def _verdict(self, push: Push) -> tuple[bool, bytes]:
+        if push.missing:
+            return False, push.missing.encode()
+        try:
+            first = push.first.result(self.timeout_s)
+        except FutureTimeout:
+            first = f"no first token within {self.timeout_s:.0f} s of the last layer"
+        if isinstance(first, str):
+            return False, first.encode()
+        return True, encode_first(first)
 
     def _ensure_group(self) -> None:
         import ray

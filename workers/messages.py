@@ -8,7 +8,7 @@ clients and the CLI can load it cheaply.
 
 A request's life in these types:
 
-    router --PrefillJob--> prefill worker --KVAdmission (+ the KV)--> decode worker
+    router --PrefillJob--> prefill worker --RequestSpec, the KV, FirstTokens--> decode worker
     router <--PrefillResult-- prefill worker       router <--TokenEvent-- decode worker
     decode worker --LogWrite--> TokenLog (Redis) --LogAck--> decode worker
 
@@ -16,8 +16,8 @@ A request's life in these types:
 an attempt carries it, so whatever a superseded attempt still sends is told apart and dropped.
 
 A request with n > 1 choices is prefilled, and its KV pushed, once: the PrefillResult and the
-KVAdmission carry every choice's first token, and the decode worker forks the choices onto the
-shared blocks. From there each choice is a request of its own (`RequestSpec.choice`): its
+transfer's trailer carry every choice's first token, and the decode worker forks the choices
+onto the shared blocks. From there each choice is a request of its own (`RequestSpec.choice`): its
 TokenEvents, token log and replays are under its own id, `choice_id(request_id, index)`.
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -162,6 +163,25 @@ class FirstToken:
     top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
+def encode_first(first: tuple[FirstToken, ...]) -> bytes:
+    """Each choice's first token as the KV transfer's trailer payload (JSON)."""
+    return json.dumps([[f.token_id, f.logprob, f.top_logprobs] for f in first]).encode()
+
+
+def decode_first(payload: bytes) -> tuple[FirstToken, ...]:
+    """The inverse of encode_first; ValueError on anything else."""
+    try:
+        rows = json.loads(payload)
+        return tuple(
+            FirstToken(
+                int(tok), lp, None if top is None else tuple((int(t), float(v)) for t, v in top)
+            )
+            for tok, lp, top in rows
+        )
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"not a first-token payload: {e}") from None
+
+
 @dataclass(frozen=True)
 class PrefillResult:
     """The first token sampled after `spec.output_ids` (output index len(output_ids)) for each
@@ -188,19 +208,11 @@ class Reservation:
 
 
 @dataclass(frozen=True)
-class KVAdmission:
-    """Sent by the prefill worker with the KV: what the decode worker needs to admit the
-    request, with each choice's first token (choice 0's also travels in the transfer's
-    header, and the two must agree)."""
-
-    spec: RequestSpec
-    first: tuple[FirstToken, ...]
-
-
-@dataclass(frozen=True)
 class PushResult:
     request_id: str
     ok: bool
+    # From the prefill's end (its first token sampled) to the decode worker's admission of
+    # the request: what the handoff adds to the time to first token.
     seconds: float = 0.0
     error: str = ""
 

@@ -7,10 +7,10 @@ A request passes through:
    of which is usually still in this worker's prefix cache) and the token after them is
    sampled at its own position. An n > 1 request is prefilled once; each choice draws its
    first token from the same logits with its own seed.
-2. the KV stays held in the engine (keep_kv) and is queued, as a Push, on the KVSender for
-   the job's decode worker;
-3. the sender pushes it (see workers/kv_sender.py) and gives the blocks back; they remain as
-   prefix cache.
+2. as the step that completes its KV begins, a Push holding its blocks is queued on the
+   KVSender for the job's decode worker, which sends each layer as the model computes it,
+   then the first tokens once they are sampled (see workers/kv_sender.py);
+3. the sender gives the blocks back; they remain as prefix cache.
 
 A job for a request that this worker still holds under an older attempt replaces it.
 """
@@ -28,11 +28,10 @@ from dataclasses import dataclass
 from kv_transfer.protocol import TransferDescriptor
 from workers.engine.engine import RequestOutput
 from workers.engine.request import FinishReason
-from workers.kv_sender import KVSender, Push
+from workers.kv_sender import KVSender, LayerProgress, Push
 from workers.messages import (
     DecodeEndpoint,
     FirstToken,
-    KVAdmission,
     Pool,
     PrefillJob,
     PrefillResult,
@@ -58,14 +57,21 @@ class _Job:
 class PrefillWorker(WorkerBase):
     pool = Pool.PREFILL
 
-    def __init__(self, name, engine_config, transfer_host=None, transfer_timeout_s=10.0):
+    def __init__(
+        self, name, engine_config, transfer_host=None, transfer_timeout_s=10.0, stream_kv=True
+    ):
+        """stream_kv=False sends the KV only once the prefill's compute is over (for
+        comparison, or if a platform misbehaves with layers read while the step runs)."""
         super().__init__(name, engine_config, transfer_host, transfer_timeout_s)
+        self.stream_kv = stream_kv
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}  # being prefilled
         self._pushes: dict[str, tuple[Push, Future]] = {}  # queued or on the wire
         self._push_results: OrderedDict[str, PushResult] = OrderedDict()  # the latest few
         self._senders: dict[str, KVSender] = {}
         self._queued_tokens = 0
+        self._streaming: dict[str, Push] = {}  # the loop thread's: pushes awaiting first tokens
+        self.engine.on_kv_completing = self._kv_completing
         self.start_loop(self._on_outputs)
 
     def info(self) -> WorkerInfo:
@@ -159,6 +165,32 @@ class PrefillWorker(WorkerBase):
         return done or PushResult(request_id, False, error="no such push")
 
     # -- on the loop thread ---------------------------------------------------------------
+    def _kv_completing(self, done: list[tuple[str, list[int], int]]):
+        """A step that completes these requests' KV begins: start their pushes now, so each
+        layer leaves while the next ones compute. Returns the model's per-layer callback."""
+        progress = LayerProgress(self.layout.num_layers, self.device)
+        started = False
+        for rid, blocks, num_tokens in done:
+            with self._lock:
+                entry = self._jobs.get(rid)
+            if entry is None or entry.result.done() or entry.job.spec.num_tokens != num_tokens:
+                # Cancelled, or an older attempt whose job was replaced (the new one is
+                # queued on the loop): _finished gives its blocks back.
+                continue
+            self._streaming[rid] = self._start_push(entry, blocks, progress)
+            started = True
+        return progress.mark if started and self.stream_kv else None
+
+    def _start_push(self, entry: _Job, blocks: list[int], progress: LayerProgress) -> Push:
+        spec = entry.job.spec
+        self.engine.hold_kv(blocks)  # the push's own reference, given back by the sender
+        desc = TransferDescriptor(spec.request_id, self.layout, len(blocks), spec.num_tokens)
+        push = Push(spec, blocks, desc, progress)
+        with self._lock:
+            self._pushes[spec.request_id] = (push, Future())
+        self._sender(entry.job.decode).submit(push)
+        return push
+
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         # An n > 1 request's choices draw their first tokens, and end, in the same step.
         ended: dict[str, list[RequestOutput]] = {}
@@ -167,21 +199,35 @@ class PrefillWorker(WorkerBase):
                 ended.setdefault(o.request_id, []).append(o)
         for outs in ended.values():
             self._finished(sorted(outs, key=lambda o: o.index))
+        for push in self._streaming.values():  # never left without a verdict
+            push.resolve("the prefill step ended without its first token")
+        self._streaming.clear()
 
     def _finished(self, outs: list[RequestOutput]) -> None:
         o = outs[0]  # choice 0: it holds the KV
+        push = self._streaming.pop(o.request_id, None)
+        try:
+            self._resolve(outs, push)
+        finally:
+            if o.kv_blocks:  # a push holds its own reference
+                self.engine.release_kv(o.kv_blocks)
+
+    def _resolve(self, outs: list[RequestOutput], push: Push | None) -> None:
+        """The prefill is over: answer its caller, and give its push the first tokens or
+        the reason there are none."""
+        o = outs[0]
         with self._lock:
             entry = self._jobs.get(o.request_id)
         if entry is None or entry.result.done():  # cancelled or superseded meanwhile
-            if o.kv_blocks:
-                self.engine.release_kv(o.kv_blocks)
+            if push is not None:
+                push.resolve("cancelled")
             return
         spec = entry.job.spec
         drawn = [c for c in outs if c.new_token_ids]
         if o.kv_blocks is None or len(drawn) != spec.choices:
-            if o.kv_blocks:
-                self.engine.release_kv(o.kv_blocks)
             error = next((c.error for c in outs if c.error), "")
+            if push is not None:
+                push.resolve(f"the prefill failed: {error}")
             status = (
                 Status.CANCELLED
                 if o.finish_reason is FinishReason.CANCELLED
@@ -192,6 +238,14 @@ class PrefillWorker(WorkerBase):
             failed = PrefillResult(spec.request_id, spec.attempt, status, error=error)
             entry.result.set_result(failed)
             return
+        if push is None:
+            if len(o.kv_blocks) != -(-spec.num_tokens // self.layout.block_size):
+                return  # an older attempt's prefill; the job that replaced it is queued
+            # Not seen as its step began: sent now, whole.
+            done = LayerProgress(self.layout.num_layers, self.device, complete=True)
+            push = self._start_push(entry, o.kv_blocks, done)
+        elif not self.stream_kv:
+            push.progress.mark(self.layout.num_layers - 1)
         first = tuple(
             FirstToken(
                 c.new_token_ids[0],
@@ -200,13 +254,7 @@ class PrefillWorker(WorkerBase):
             )
             for c in drawn
         )
-        desc = TransferDescriptor(
-            spec.request_id, self.layout, len(o.kv_blocks), spec.num_tokens, first[0].token_id
-        )
-        push = Push(KVAdmission(spec, first), list(o.kv_blocks), desc)
-        with self._lock:
-            self._pushes[spec.request_id] = (push, Future())
-        self._sender(entry.job.decode).submit(push)
+        push.resolve(first)
         entry.result.set_result(PrefillResult(spec.request_id, spec.attempt, Status.OK, first))
 
     def _sender(self, target: DecodeEndpoint) -> KVSender:

@@ -5,6 +5,7 @@ from the tokens it already produced continues exactly as if it had never stopped
 from dataclasses import replace
 
 import pytest
+import torch
 
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
@@ -143,3 +144,44 @@ def test_a_reservation_is_given_back_and_kept_kv_outlives_abort(engines):
     assert not free(prefill)
     prefill.release_kv(out.kv_blocks)
     assert free(prefill)
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["fresh", "whole-prompt-cached"])
+def test_kv_completing_names_the_step_and_each_layer_is_final_when_marked(tiny_llama_dir, cached):
+    """The hook a prefill worker streams from: called as the step that completes a keep_kv
+    request's KV begins (also when that step computes one token only, its prompt being in the
+    prefix cache), with the blocks the request keeps; each layer is marked once, in order,
+    and its KV is then already what it ends as."""
+    cfg = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64, block_size=4)
+    engine = LLMEngine(cfg)
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = PROMPT[:9]  # two full blocks and one token
+    if cached:
+        run(engine, prompt, sp)  # leaves the two full blocks in the prefix cache
+    calls, marked, snapshots = [], [], {}
+
+    def completing(done):
+        calls.append(done)
+        [(_, blocks, _)] = done
+
+        def layer_done(i):
+            marked.append(i)
+            snapshots[i] = engine.export_kv_layer(i, blocks).clone()
+
+        return layer_done
+
+    engine.on_kv_completing = completing
+    rid = engine.add_request(prompt, sp, stop_after=1, keep_kv=True)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    engine.on_kv_completing = None
+    [out] = outs
+    assert len(calls) == 1, "called once, for the step that completes the KV"
+    assert calls[0] == [(rid, out.kv_blocks, len(prompt))]
+    layers = engine.kv_layout.num_layers
+    assert marked == list(range(layers))
+    for i in range(layers):
+        assert torch.equal(snapshots[i], engine.export_kv_layer(i, out.kv_blocks))
+    engine.release_kv(out.kv_blocks)
+    assert free(engine)

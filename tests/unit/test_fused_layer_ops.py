@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from tests.reference import engine_logits, run_engine
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
+from workers.engine.model_runner import gather_layer, scatter_layer
 from workers.engine.request import SamplingParams
 from workers.model.cpu_kernels import cpu_kernels
 from workers.model.llama import RMSNorm
@@ -21,6 +22,22 @@ def ops():
     if module is None:
         pytest.skip("no C++ compiler: the kernels could not be built")
     return module
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scatter_blocks_matches_index_copy_and_checks_ids(ops, dtype):
+    """A KV transfer's layer into its reserved blocks: the same bytes as index_copy_."""
+    cache = torch.randn(40, 4, 3, 16).to(dtype)
+    layer = torch.randn(2, 5, 4, 3, 16).to(dtype)
+    blocks = [31, 2, 17, 39, 0]
+    k, v = cache.clone(), cache.clone()
+    scatter_layer((k, v), blocks, layer, ops)
+    want_k, want_v = cache.clone(), cache.clone()
+    scatter_layer((want_k, want_v), blocks, layer, None)  # the index_copy_ path
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    assert torch.equal(gather_layer((k, v), blocks), layer)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.scatter_blocks(k, torch.tensor([40]), layer[0, :1])
 
 
 @pytest.mark.parametrize("dtype, tol", TOLS)

@@ -10,8 +10,9 @@ import torch
 from kv_transfer.channel import StagingBuffers, recv_kv, send_kv
 from kv_transfer.inprocess import InProcessChannel
 from kv_transfer.layout import KVLayout, LayoutMismatch
-from kv_transfer.protocol import TransferDescriptor, TransferError
+from kv_transfer.protocol import TransferAborted, TransferDescriptor, TransferError
 from kv_transfer.torch_dist import PairGroup, store_client, store_server
+from workers.messages import FirstToken, decode_first, encode_first
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 
@@ -21,25 +22,28 @@ def payload(desc):
     return [torch.randn(LAYOUT.layer_shape(desc.num_blocks)) for _ in range(LAYOUT.num_layers)]
 
 
-def round_trip(sender, receiver, desc, layers):
-    """Send on one side while the other receives in a thread; check what arrived."""
-    result = {}
+def round_trip(sender, receiver, desc, layers, extra=b"first tokens"):
+    """Send on one side while the other receives in a thread; check what arrived: every
+    layer, and the trailer's payload."""
+    got = {}
     staging = StagingBuffers()
-    t = threading.Thread(
-        target=lambda: result.update(out=recv_kv(receiver, LAYOUT, 5, staging=staging))
+    receive = _in_thread(
+        lambda: recv_kv(
+            receiver, LAYOUT, 5, staging=staging, on_layer=lambda i, t: got.update({i: t.clone()})
+        )
     )
-    t.start()
-    send_kv(sender, desc, layers, 5)
-    t.join(10)
-    got_desc, got = result["out"]
-    assert got_desc == desc and all(torch.equal(x, y) for x, y in zip(got, layers))
+    send_kv(sender, desc, layers, 5, verdict=lambda: (True, extra))
+    got_desc, got_extra = receive(10)
+    assert got_desc == desc and got_extra == extra
+    assert sorted(got) == list(range(LAYOUT.num_layers))
+    assert all(torch.equal(got[i], layer) for i, layer in enumerate(layers))
 
 
 def test_descriptor_round_trip_and_validation():
-    d = TransferDescriptor("req-é-1", LAYOUT, 3, 10, 4242)
+    d = TransferDescriptor("req-é-1", LAYOUT, 3, 10)
     assert TransferDescriptor.decode(d.encode(), LAYOUT) == d
     with pytest.raises(ValueError, match="10 tokens need 3 blocks"):
-        TransferDescriptor("r", LAYOUT, 2, 10, 1)
+        TransferDescriptor("r", LAYOUT, 2, 10)
     other = KVLayout(3, 2, 8, 16, "bfloat16")
     with pytest.raises(TransferError, match="block_size: 16 here, 4 there"):
         TransferDescriptor.decode(d.encode(), other)
@@ -54,7 +58,7 @@ def test_layout_mismatch_names_every_field():
 
 def test_in_process_round_trip_and_refusal():
     a, b = InProcessChannel.pair()
-    desc = TransferDescriptor("r1", LAYOUT, 2, 7, 5)
+    desc = TransferDescriptor("r1", LAYOUT, 2, 7)
     layers = payload(desc)
     round_trip(a, b, desc, layers)
     # A receiver that does not expect the request refuses it, and both sides say so.
@@ -63,6 +67,38 @@ def test_in_process_round_trip_and_refusal():
         send_kv(a, desc, layers, 5)
     outcome = receiver(5)
     assert isinstance(outcome, TransferError) and "no reservation matches" in str(outcome)
+
+
+def test_layers_leave_as_they_are_produced_and_the_trailer_comes_last():
+    """Layer i+1 is produced only once the receiver holds layer i: a sender that waited for
+    every layer before sending would never finish. The trailer's payload, decided after the
+    last layer, arrives with the transfer."""
+    a, b = InProcessChannel.pair()
+    desc = TransferDescriptor("r1", LAYOUT, 2, 7)
+    layers = payload(desc)
+    landed = [threading.Event() for _ in layers]
+
+    def produce():
+        for i, layer in enumerate(layers):
+            if i:
+                assert landed[i - 1].wait(5), f"layer {i - 1} did not land before {i} was made"
+            yield layer
+
+    receive = _in_thread(lambda: recv_kv(b, LAYOUT, 5, on_layer=lambda i, t: landed[i].set()))
+    send_kv(a, desc, produce(), 5, verdict=lambda: (True, b"\x00late\xff"))
+    assert receive(10) == (desc, b"\x00late\xff")
+
+
+def test_an_aborted_transfer_fails_both_sides_and_keeps_the_pair():
+    a, b = InProcessChannel.pair()
+    desc = TransferDescriptor("r1", LAYOUT, 2, 7)
+    layers = payload(desc)
+    receive = _in_thread(lambda: recv_kv(b, LAYOUT, 5))
+    with pytest.raises(TransferAborted, match="prefill failed"):
+        send_kv(a, desc, layers, 5, verdict=lambda: (False, b"the prefill failed"))
+    outcome = receive(5)
+    assert isinstance(outcome, TransferAborted) and "the prefill failed" in str(outcome)
+    round_trip(a, b, desc, layers)  # still in step: the next transfer goes through
 
 
 def _in_thread(fn):
@@ -117,7 +153,7 @@ def test_gloo_pair_moves_kv_and_survives_a_dead_peer():
     server = store_server("127.0.0.1")
     sender, receiver = _pair(server.port, server, "pair/p0/1")
     assert sender.backend == "gloo"
-    desc = TransferDescriptor("r1", LAYOUT, 3, 12, 9)
+    desc = TransferDescriptor("r1", LAYOUT, 3, 12)
     layers = payload(desc)
     round_trip(sender, receiver, desc, layers)
     round_trip(sender, receiver, desc, layers)  # staging buffers reused, pair reused
@@ -151,3 +187,13 @@ def test_rendezvous_with_nobody_times_out():
             1.0,
         )
     assert time.monotonic() - t0 < 15
+
+
+def test_first_tokens_round_trip_through_the_trailer_payload():
+    first = (
+        FirstToken(17),
+        FirstToken(4, -0.25, ((4, -0.25), (9, -1.5))),
+    )
+    assert decode_first(encode_first(first)) == first
+    with pytest.raises(ValueError, match="not a first-token payload"):
+        decode_first(b"\x00garbage")

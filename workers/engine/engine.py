@@ -7,7 +7,8 @@ Disaggregation uses it through a small API, never through the scheduler or block
 
 - prefill side: `add_request(..., stop_after=n + 1, keep_kv=True)` samples one token past
   the n it was given and keeps the KV blocks held (`RequestOutput.kv_blocks`); the worker
-  reads them with `export_kv_layer` and gives them back with `release_kv`;
+  reads them with `export_kv_layer` and gives them back with `release_kv`. To send the KV
+  while it is computed, set `on_kv_completing` (below) and `hold_kv` the blocks it names;
 - decode side: `reserve` blocks, fill them with `import_kv_layer` (`reserved_blocks` says
   where), then `add_prefilled`, or `release` the reservation;
 - both: `abort`, and `stats()` for the worker's status.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import random
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +117,13 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self.prefill_tokens = self.decode_tokens = 0  # computed, lifetime (for metrics)
         self._stops: dict[str, StopStringMatcher] = {}
+        # Prefill side, optional: called as a step begins, with (request id, block ids, tokens)
+        # of each keep_kv request whose KV that step completes; it may return a function that
+        # the model calls with each layer's index once the layer has written its KV, so the
+        # KV can leave layer by layer while the later layers compute.
+        self.on_kv_completing: (
+            Callable[[list[tuple[str, list[int], int]]], Callable[[int], None] | None] | None
+        ) = None
         log.info(
             "engine ready: %s, %s, %d KV blocks of %d tokens, backend %s",
             self.source.path.name,
@@ -242,10 +251,17 @@ class LLMEngine:
         """Write one layer of a transfer into reserved blocks (nothing reads them yet)."""
         self.runner.import_layer(layer, block_ids, data)
 
-    def export_kv_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
-        """One layer of kept blocks as `[2, n, block_size, kv_heads, dim]`; thread-safe for
-        blocks held with keep_kv, which no step writes."""
-        return self.runner.export_layer(layer, block_ids)
+    def export_kv_layer(
+        self, layer: int, block_ids: list[int], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One layer of held blocks as `[2, n, block_size, kv_heads, dim]` (into `out` if
+        given); thread-safe for a layer whose KV no step is writing any more."""
+        return self.runner.export_layer(layer, block_ids, out)
+
+    def hold_kv(self, block_ids: list[int]) -> None:
+        """Take an extra reference on a running request's blocks (give it back with
+        release_kv): they stay readable, and unwritten, whatever becomes of the request."""
+        self.pool.hold(block_ids)
 
     def release_kv(self, block_ids: list[int]) -> None:
         """Give back blocks a keep_kv request held; they stay behind as prefix cache."""
@@ -368,7 +384,7 @@ class LLMEngine:
         self.prefill_tokens += sum(p.num_tokens for p in out.prefills)
         self.decode_tokens += len(out.decodes)
         try:
-            sampled = self.runner.execute(out)
+            sampled = self.runner.execute(out, self._kv_completing(out))
         except Exception as e:  # one bad step must not take the engine down with it
             ids = [s.request_id for s in out.scheduled]
             log.exception("model step failed; failing its %d requests: %s", len(ids), ids)
@@ -383,6 +399,17 @@ class LLMEngine:
         for req, new_ids in self.scheduler.update_from_output(out, sampled):
             results.append(self._output(req, new_ids))
         return results
+
+    def _kv_completing(self, out) -> Callable[[int], None] | None:
+        if self.on_kv_completing is None:
+            return None
+        bs, requests = self.config.block_size, self.scheduler.requests
+        done = [  # a last chunk of one token (a prefix-cache hit) is scheduled as a decode
+            (s.request_id, s.block_ids[: -(-s.context_len // bs)], s.context_len)
+            for s in out.scheduled
+            if s.sample and requests[s.request_id].keep_kv
+        ]
+        return self.on_kv_completing(done) if done else None
 
     def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
         text = None

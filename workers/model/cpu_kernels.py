@@ -7,6 +7,8 @@ and cached (TORCH_EXTENSIONS_DIR, about 30 s once per machine):
 - `rms_norm`, `add_rms_norm`, `rotary_inplace`, `silu_and_mul`: the decoder layer's small
   ops, fused (csrc/layer_ops_cpu.cpp). A small model's decode step is mostly the dispatch of
   such ops, not their arithmetic.
+- `scatter_blocks`: a KV transfer's layer copied into its reserved blocks, a block at a time
+  (index_copy_ goes element by element).
 
 If the build fails (no compiler), the model keeps its torch paths and says so once.
 Set TANDEM_CPU_KERNELS=0 to skip the kernels (and the oneDNN weight packing, linear.py).
@@ -30,6 +32,7 @@ _FUNCTIONS = [
     "add_rms_norm",
     "rotary_inplace",
     "silu_and_mul",
+    "scatter_blocks",
 ]
 # Vectorising the fp32 reductions needs reassociation; the kernels never see inf or NaN.
 _CFLAGS = [

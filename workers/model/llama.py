@@ -5,6 +5,8 @@ because one larger matmul beats three small ones on CPU and GPU alike.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -103,18 +105,24 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         backend: AttentionBackend,
         meta: AttentionMetadata,
+        layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, one row per input token."""
+        """Hidden states after the final norm, one row per input token. `layer_done(i)` is
+        called once layer i has written this step's KV."""
         x = self.embed_tokens(input_ids)
         if self.ops is not None:
             delta = None
-            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
                 delta, x = layer.forward_fused(
                     delta, x, positions, self.rope, backend, k_cache, v_cache, meta
                 )
+                if layer_done is not None:
+                    layer_done(i)
             return self.ops.add_rms_norm(delta, x, self.norm.weight, self.norm.eps)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, positions, self.rope, backend, k_cache, v_cache, meta)
+            if layer_done is not None:
+                layer_done(i)
         return self.norm(x)
 
     def use_cpu_kernels(self, ops) -> None:
