@@ -160,6 +160,41 @@ def test_kernel_numerics_against_a_dense_reference(dtype, tol, d, batch):
         kernel.paged_decode_attention(q, k_cache, v_cache, tables, lens * 0, d**-0.5)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("offset, q_len", [(0, 9), (5, 1), (12, 7), (37, 40)])
+def test_prefill_chunk_attention_against_a_dense_reference(dtype, tol, offset, q_len):
+    """A prompt chunk after `offset` cached tokens (its prefix read from scattered blocks,
+    the CPU's two-pass path), or a first chunk (offset 0), against causal attention written
+    out in fp32."""
+    from workers.model.attention.base import PrefillSlice
+    from workers.model.attention.torch_backend import TorchAttentionBackend
+
+    torch.manual_seed(0)
+    bs, kvh, heads, d = 4, 2, 6, 16
+    ctx = offset + q_len
+    k_all, v_all = torch.randn(ctx, kvh, d).to(dtype), torch.randn(ctx, kvh, d).to(dtype)
+    q = torch.randn(q_len, heads, d).to(dtype)
+    table = torch.randperm(32)[: -(-ctx // bs)]
+    k_cache, v_cache = (
+        torch.zeros(32, bs, kvh, d, dtype=dtype),
+        torch.zeros(32, bs, kvh, d, dtype=dtype),
+    )
+    slots = torch.tensor([int(table[i // bs]) * bs + i % bs for i in range(ctx)])
+    k_cache.view(-1, kvh, d)[slots] = k_all
+    v_cache.view(-1, kvh, d)[slots] = v_all
+    backend = TorchAttentionBackend(torch.device("cpu"), use_kernel=False)
+    part = PrefillSlice(0, q_len, ctx, table)
+    out = backend._prefill(q, k_all[offset:], v_all[offset:], k_cache, v_cache, part, d**-0.5)
+    keys = k_all.float().repeat_interleave(heads // kvh, dim=1)
+    vals = v_all.float().repeat_interleave(heads // kvh, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * d**-0.5
+    seen = torch.arange(ctx)[None, :] <= torch.arange(q_len)[:, None] + offset
+    w = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+    want = torch.einsum("hqk,khd->qhd", w, vals)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+
+
 def test_min_tokens_holds_back_eos_and_stop_strings(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=64, block_size=4)
     eos = llm.engine.eos_token_ids[0]
