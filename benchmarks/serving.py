@@ -459,9 +459,22 @@ async def amain(args) -> None:
         rows,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    # The last run's requests, times relative to its start: what the plots are drawn from.
+    last = {
+        name: [
+            {**r, "start": r["start"] - t0, "chunk_times": [t - t0 for t in r["chunk_times"]]}
+            for r in records
+        ]
+        for name, (records, t0) in all_records.items()
+    }
     args.out.write_text(
         json.dumps(
-            {"config": {k: str(v) for k, v in vars(args).items()}, "summaries": summaries}, indent=2
+            {
+                "config": {k: str(v) for k, v in vars(args).items()},
+                "summaries": summaries,
+                "requests": last,
+            },
+            indent=2,
         )
     )
     if all_records:

@@ -10,7 +10,9 @@ the handoff adds almost nothing to the time to first token.
 For each push, in order: open the pair group if there is none (the layout handshake first),
 ask the decode worker to receive (`receive_kv`, with the request's spec), send the header and
 each layer as it is computed, then the trailer: the first tokens, or, if the prefill failed or
-was cancelled, an abort that the receiver drops (the pair stays in step). The sender never
+was cancelled, an abort that the receiver drops (the pair stays in step). Once the receiver
+acks, the next push goes out while the decode worker admits this one: requests prefilled in
+one step do not each wait for a decode step before the next one's KV leaves. The sender never
 touches the engine: it is handed a `gather` function for the layers and a `release` function
 for the blocks, called exactly once per push, whatever happens.
 
@@ -143,12 +145,25 @@ class KVSender:
     def _run(self) -> None:
         while (push := self.queue.get()) is not None:
             try:
-                result = self._push(push)
+                outcome = self._push(push)
             finally:
+                self.release(push.blocks)  # acked or failed: the blocks are read for good
+            if isinstance(outcome, PushResult):
+                self.on_done(push, outcome)
+            else:  # landed; the decode worker admits it while the next push goes out
+                outcome.future().add_done_callback(lambda f, p=push: self._admitted(p, f))
+        while True:  # stopped: whatever is still queued never leaves
+            try:
+                push = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            if push is not None:
                 self.release(push.blocks)
-            self.on_done(push, result)
+                self.on_done(push, PushResult(push.request_id, False, error="sender stopped"))
 
-    def _push(self, push: Push) -> PushResult:
+    def _push(self, push: Push):
+        """Sends one push; returns its PushResult if it is over, or, once the receiver has
+        acked every byte, the ref of its `receive_kv` call, which resolves on admission."""
         import ray
 
         rid, handle = push.request_id, self.target.handle
@@ -164,10 +179,7 @@ class KVSender:
                 self.timeout_s,
                 verdict=lambda: self._verdict(push),
             )
-            received: PushResult = ray.get(ref, timeout=self.timeout_s + 5)
-            if not received.ok:
-                raise TransferError(received.error or "the receiver failed")
-            return PushResult(rid, True, time.perf_counter() - push.computed_at)
+            return ref
         except TransferAborted as e:  # the receiver dropped it and reported the attempt
             log.info("request %s: KV push aborted (%s)", rid, e)
             return PushResult(rid, False, error=str(e))
@@ -185,6 +197,20 @@ class KVSender:
             except Exception as e2:  # it may be the one that died; the router sees that too
                 log.warning("request %s: could not tell %s (%s)", rid, self.target.name, e2)
             return PushResult(rid, False, error=message)
+
+    def _admitted(self, push: Push, done) -> None:
+        """The receiver's answer, after its ack: it has admitted the request, or has failed
+        it (and reported that itself)."""
+        rid = push.request_id
+        try:
+            received: PushResult = done.result()
+        except Exception as e:  # the decode worker died; the router sees that too
+            received = PushResult(rid, False, error=f"{self.target.name}: {e}")
+        if received.ok:
+            received = PushResult(rid, True, time.perf_counter() - push.computed_at)
+        else:
+            log.warning("request %s: not admitted: %s", rid, received.error)
+        self.on_done(push, received)
 
     def _layers(self, push: Push):
         """Each layer once the model has written it, gathered into reused buffers. If the
