@@ -28,6 +28,8 @@ from kv_transfer.protocol import (
 
 
 class KVChannel(ABC):
+    device = torch.device("cpu")  # where the protocol's own small tensors must live (NCCL: GPU)
+
     @abstractmethod
     def post_send(self, tensor: torch.Tensor) -> object:
         """Start sending one tensor; returns a handle for `wait`. Sends arrive in post order."""
@@ -91,15 +93,16 @@ def send_kv(
     layer i. `verdict()`, called once every layer is posted, gives the trailer: (True,
     payload) to deliver the payload with the KV, or (False, reason) to abort the transfer
     (the receiver drops it; TransferAborted is raised here too). Without it: (True, b"")."""
-    channel.send([desc.encode()], timeout_s)
+    dev = channel.device
+    channel.send([desc.encode().to(dev)], timeout_s)
     handles = [channel.post_send(t.contiguous()) for t in layers]
     if len(handles) != desc.layout.num_layers:
         raise ValueError(f"{len(handles)} layers given, layout has {desc.layout.num_layers}")
     ok, payload = verdict() if verdict is not None else (True, b"")
     for h in handles:
         channel.wait(h, timeout_s)
-    channel.send(trailer(ok, payload), timeout_s)
-    ack = torch.zeros(1, dtype=torch.int64)
+    channel.send([t.to(dev) for t in trailer(ok, payload)], timeout_s)
+    ack = torch.zeros(1, dtype=torch.int64, device=dev)
     channel.recv([ack], timeout_s)
     if not ok:
         reason = payload.decode(errors="replace")

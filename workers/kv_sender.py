@@ -100,11 +100,19 @@ class Push:
     def request_id(self) -> str:
         return self.desc.request_id
 
+    @property
+    def first_failed(self) -> bool:
+        """The prefill gave no first tokens (it failed, or was cancelled or superseded)."""
+        return self.first.done() and isinstance(self.first.result(), str)
+
     def resolve(self, first: tuple[FirstToken, ...] | str) -> None:
-        """Called once the prefill step is over: its first tokens, or why it has none."""
+        """Called once the prefill step is over: its first tokens, or why it has none.
+        Only the first call counts."""
+        if self.first.done():
+            return
         self.computed_at = time.perf_counter()
         if isinstance(first, str):
-            self.progress.abort(first)
+            self.progress.abort(first)  # a failed step: no waiting for layers never made
         self.first.set_result(first)
 
 
@@ -129,16 +137,24 @@ class KVSender:
         self.staging = StagingBuffers()  # reused per layer; a push waits for its sends
         self.generation = 0
         self.queue: queue.Queue[Push | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._stopped = False
         self.thread = threading.Thread(
             target=self._run, daemon=True, name=f"{source}->{target.name}"
         )
         self.thread.start()
 
     def submit(self, push: Push) -> None:
-        self.queue.put(push)
+        with self._lock:
+            if not self._stopped:
+                self.queue.put(push)
+                return
+        self._never_sent(push)
 
     def stop(self) -> None:
-        self.queue.put(None)
+        with self._lock:
+            self._stopped = True
+            self.queue.put(None)
         if self.group is not None:
             self.group.close()
 
@@ -146,10 +162,12 @@ class KVSender:
         while (push := self.queue.get()) is not None:
             try:
                 outcome = self._push(push)
-            finally:
-                self.release(push.blocks)  # acked or failed: the blocks are read for good
+            except Exception as e:  # a bug, not a transfer failure: this push alone fails
+                log.exception("request %s: KV push crashed", push.request_id)
+                outcome = PushResult(push.request_id, False, error=f"KV push crashed: {e}")
+            self.release(push.blocks)  # acked or failed: the blocks are read for good
             if isinstance(outcome, PushResult):
-                self.on_done(push, outcome)
+                self._done(push, outcome)
             else:  # landed; the decode worker admits it while the next push goes out
                 outcome.future().add_done_callback(lambda f, p=push: self._admitted(p, f))
         while True:  # stopped: whatever is still queued never leaves
@@ -158,8 +176,17 @@ class KVSender:
             except queue.Empty:
                 return
             if push is not None:
-                self.release(push.blocks)
-                self.on_done(push, PushResult(push.request_id, False, error="sender stopped"))
+                self._never_sent(push)
+
+    def _never_sent(self, push: Push) -> None:
+        self.release(push.blocks)
+        self._done(push, PushResult(push.request_id, False, error="sender stopped"))
+
+    def _done(self, push: Push, result: PushResult) -> None:
+        try:
+            self.on_done(push, result)
+        except Exception:  # the sender thread must outlive a broken callback
+            log.exception("request %s: push result handler failed", push.request_id)
 
     def _push(self, push: Push):
         """Sends one push; returns its PushResult if it is over, or, once the receiver has
@@ -210,7 +237,7 @@ class KVSender:
             received = PushResult(rid, True, time.perf_counter() - push.computed_at)
         else:
             log.warning("request %s: not admitted: %s", rid, received.error)
-        self.on_done(push, received)
+        self._done(push, received)
 
     def _layers(self, push: Push):
         """Each layer once the model has written it, gathered into reused buffers. If the

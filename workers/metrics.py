@@ -113,7 +113,9 @@ class WorkerMetrics:
         )
         self.transfer_bytes = counter("tandem_kv_transfer_bytes_total", "KV bytes pushed", t)
         self.transfer_seconds = histogram(
-            "tandem_kv_transfer_seconds", "one request's KV push, start to acknowledged", t
+            "tandem_kv_transfer_seconds",
+            "what a KV push adds to a request: its first token sampled -> admitted to decode",
+            t,
         )
         self.transfer_failures = counter(
             "tandem_kv_transfer_failures_total", "KV pushes that failed", t

@@ -60,8 +60,9 @@ class PrefillWorker(WorkerBase):
     def __init__(
         self, name, engine_config, transfer_host=None, transfer_timeout_s=10.0, stream_kv=True
     ):
-        """stream_kv=False sends the KV only once the prefill's compute is over (for
-        comparison, or if a platform misbehaves with layers read while the step runs)."""
+        """stream_kv=False holds the layers back until the step that completes the KV is
+        over (for comparison; the transfer still opens as that step begins, so a step must
+        not take longer than transfer_timeout_s)."""
         super().__init__(name, engine_config, transfer_host, transfer_timeout_s)
         self.stream_kv = stream_kv
         self._lock = threading.Lock()
@@ -151,7 +152,7 @@ class PrefillWorker(WorkerBase):
             push = self._pushes.get(request_id)
         if entry is not None and entry.attempt == attempt and not entry.result.done():
             return "prefilling"
-        if push is not None and push[0].admission.spec.attempt == attempt:
+        if push is not None and push[0].spec.attempt == attempt:
             return "pushing"
         return ""
 
@@ -192,16 +193,26 @@ class PrefillWorker(WorkerBase):
         return push
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        # The step is over: every layer of its KV is written (a push that was not streamed,
+        # or a model that marks no layers, sends them all now; after a failed step the
+        # trailer aborts what went out).
+        for push in self._streaming.values():
+            push.progress.mark(self.layout.num_layers - 1)
         # An n > 1 request's choices draw their first tokens, and end, in the same step.
         ended: dict[str, list[RequestOutput]] = {}
         for o in outputs:
             if o.finished:
                 ended.setdefault(o.request_id, []).append(o)
-        for outs in ended.values():
-            self._finished(sorted(outs, key=lambda o: o.index))
-        for push in self._streaming.values():  # never left without a verdict
-            push.resolve("the prefill step ended without its first token")
-        self._streaming.clear()
+        try:
+            for outs in ended.values():
+                try:
+                    self._finished(sorted(outs, key=lambda o: o.index))
+                except Exception:  # one request's trouble must not strand the others
+                    log.exception("request %s: handling its prefill output failed", outs[0])
+        finally:
+            for push in self._streaming.values():  # never left without a verdict
+                push.resolve("the prefill step ended without its first token")
+            self._streaming.clear()
 
     def _finished(self, outs: list[RequestOutput]) -> None:
         o = outs[0]  # choice 0: it holds the KV
@@ -222,12 +233,17 @@ class PrefillWorker(WorkerBase):
             if push is not None:
                 push.resolve("cancelled")
             return
+        if push is None or push.spec.attempt != entry.attempt:
+            # An older attempt's prefill (its job was replaced while it ran; the new one is
+            # queued on the loop and answers for itself).
+            if push is not None:
+                push.resolve("superseded by a newer attempt")
+            return
         spec = entry.job.spec
         drawn = [c for c in outs if c.new_token_ids]
         if o.kv_blocks is None or len(drawn) != spec.choices:
             error = next((c.error for c in outs if c.error), "")
-            if push is not None:
-                push.resolve(f"the prefill failed: {error}")
+            push.resolve(f"the prefill failed: {error}")
             status = (
                 Status.CANCELLED
                 if o.finish_reason is FinishReason.CANCELLED
@@ -238,14 +254,6 @@ class PrefillWorker(WorkerBase):
             failed = PrefillResult(spec.request_id, spec.attempt, status, error=error)
             entry.result.set_result(failed)
             return
-        if push is None:
-            if len(o.kv_blocks) != -(-spec.num_tokens // self.layout.block_size):
-                return  # an older attempt's prefill; the job that replaced it is queued
-            # Not seen as its step began: sent now, whole.
-            done = LayerProgress(self.layout.num_layers, self.device, complete=True)
-            push = self._start_push(entry, o.kv_blocks, done)
-        elif not self.stream_kv:
-            push.progress.mark(self.layout.num_layers - 1)
         first = tuple(
             FirstToken(
                 c.new_token_ids[0],
@@ -274,11 +282,15 @@ class PrefillWorker(WorkerBase):
         return s
 
     def _push_done(self, push: Push, result: PushResult) -> None:
-        if result.error != "cancelled":
+        if not (push.cancelled or push.first_failed):  # only real transfers count
             nbytes = len(push.blocks) * self.layout.bytes_per_block
             self.metrics.transfer(nbytes, result.seconds, result.ok)
         with self._lock:
-            entry = self._pushes.pop(push.request_id, None)
+            entry = self._pushes.get(push.request_id)
+            if entry is not None and entry[0] is push:  # not a newer attempt's
+                del self._pushes[push.request_id]
+            else:
+                entry = None
             self._push_results[push.request_id] = result
             while len(self._push_results) > 1024:
                 self._push_results.popitem(last=False)

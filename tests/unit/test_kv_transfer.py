@@ -197,3 +197,31 @@ def test_first_tokens_round_trip_through_the_trailer_payload():
     assert decode_first(encode_first(first)) == first
     with pytest.raises(ValueError, match="not a first-token payload"):
         decode_first(b"\x00garbage")
+
+
+def test_a_stopped_sender_gives_back_every_push_it_will_never_send():
+    """Pushes queued behind a stop, or submitted after it, are released and answered."""
+    from workers.engine.request import SamplingParams
+    from workers.kv_sender import KVSender, LayerProgress, Push
+    from workers.messages import DecodeEndpoint, RequestSpec
+
+    released, done = [], []
+    sender = KVSender(
+        "p",
+        DecodeEndpoint("d", "127.0.0.1", 1),
+        LAYOUT,
+        torch.device("cpu"),
+        "127.0.0.1",
+        1.0,
+        gather=None,
+        release=released.append,
+        on_done=lambda push, result: done.append((push.request_id, result)),
+    )
+    sender.stop()
+    sender.thread.join(5)
+    assert not sender.thread.is_alive()
+    spec = RequestSpec("r1", (1, 2, 3), SamplingParams(seed=1))
+    desc = TransferDescriptor("r1", LAYOUT, 1, 3)
+    sender.submit(Push(spec, [7], desc, LayerProgress(LAYOUT.num_layers, torch.device("cpu"))))
+    assert released == [[7]]
+    assert [(rid, r.ok, r.error) for rid, r in done] == [("r1", False, "sender stopped")]
