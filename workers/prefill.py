@@ -233,17 +233,17 @@ class PrefillWorker(WorkerBase):
             if push is not None:
                 push.resolve("cancelled")
             return
-        if push is None or push.spec.attempt != entry.attempt:
-            # An older attempt's prefill (its job was replaced while it ran; the new one is
-            # queued on the loop and answers for itself).
-            if push is not None:
-                push.resolve("superseded by a newer attempt")
+        if push is not None and push.spec.attempt != entry.attempt:
+            # An older attempt's prefill: its job was replaced while it ran, and the new one
+            # is queued on the loop and answers for itself.
+            push.resolve("superseded by a newer attempt")
             return
         spec = entry.job.spec
         drawn = [c for c in outs if c.new_token_ids]
-        if o.kv_blocks is None or len(drawn) != spec.choices:
+        if o.kv_blocks is None or len(drawn) != spec.choices:  # failed, maybe never stepped
             error = next((c.error for c in outs if c.error), "")
-            push.resolve(f"the prefill failed: {error}")
+            if push is not None:
+                push.resolve(f"the prefill failed: {error}")
             status = (
                 Status.CANCELLED
                 if o.finish_reason is FinishReason.CANCELLED
@@ -253,6 +253,8 @@ class PrefillWorker(WorkerBase):
             )
             failed = PrefillResult(spec.request_id, spec.attempt, status, error=error)
             entry.result.set_result(failed)
+            return
+        if push is None:  # an older attempt's KV (see _kv_completing): not this job's
             return
         first = tuple(
             FirstToken(
