@@ -29,6 +29,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from kv_transfer.channel import StagingBuffers, recv_kv
 from kv_transfer.layout import KVLayout, LayoutMismatch
 from kv_transfer.protocol import TransferAborted, TransferError
@@ -178,6 +180,7 @@ class DecodeWorker(WorkerBase):
             if blocks is None:
                 raise TransferError(f"{rid} (attempt {spec.attempt}) has no reservation here")
             t0 = time.perf_counter()
+            ids = torch.tensor(blocks, dtype=torch.long, device=self.device)  # once, all layers
             # Each layer goes straight into the reserved blocks as it lands; nothing reads
             # reserved blocks until the request is admitted below.
             _, payload = recv_kv(
@@ -187,7 +190,7 @@ class DecodeWorker(WorkerBase):
                 self.device,
                 accept=lambda d: d.request_id == rid and d.num_blocks <= len(blocks),
                 staging=self.staging.setdefault(prefill, StagingBuffers()),
-                on_layer=lambda i, t: self.engine.import_kv_layer(i, blocks[: t.shape[1]], t),
+                on_layer=lambda i, t: self.engine.import_kv_layer(i, ids[: t.shape[1]], t),
             )
             first = decode_first(payload)
             seconds = time.perf_counter() - t0

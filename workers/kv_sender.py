@@ -44,9 +44,9 @@ log = logging.getLogger(__name__)
 
 class LayerProgress:
     """How far one step's forward has got: the model calls `mark(i)` (on the engine's loop
-    thread) once layer i has written its KV; senders `wait` for the layer they need next. A
-    step that fails calls `abort`, and waiters stop waiting. On CUDA each mark records an
-    event, and the wait syncs on it, not on the whole step."""
+    thread) once layer i has written its KV, and the worker marks the last layer when the
+    step ends, whether it failed or not; senders `wait` for the layer they need next. On CUDA
+    each mark records an event, and the wait syncs on it, not on the whole step."""
 
     def __init__(self, num_layers: int, device: torch.device, complete: bool = False) -> None:
         self.num_layers = num_layers
@@ -54,7 +54,6 @@ class LayerProgress:
         self._cond = threading.Condition()
         self._done = num_layers if complete else 0
         self._events: list = []
-        self._aborted = ""
 
     def mark(self, layer: int) -> None:
         event = None
@@ -66,19 +65,11 @@ class LayerProgress:
             self._done = layer + 1
             self._cond.notify_all()
 
-    def abort(self, reason: str) -> None:
-        with self._cond:
-            self._aborted = reason or "the prefill step failed"
-            self._cond.notify_all()
-
     def wait(self, layer: int, timeout_s: float) -> None:
-        """Until layer `layer` has written its KV; RuntimeError if the step failed or this
-        takes longer than timeout_s."""
+        """Until layer `layer` has written its KV; RuntimeError past timeout_s."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._done > layer or self._aborted, timeout_s):
+            if not self._cond.wait_for(lambda: self._done > layer, timeout_s):
                 raise RuntimeError(f"layer {layer} not computed within {timeout_s:.0f} s")
-            if self._done <= layer:
-                raise RuntimeError(self._aborted)
             event = self._events[layer] if layer < len(self._events) else None
         if event is not None:
             event.synchronize()
@@ -111,8 +102,6 @@ class Push:
         if self.first.done():
             return
         self.computed_at = time.perf_counter()
-        if isinstance(first, str):
-            self.progress.abort(first)  # a failed step: no waiting for layers never made
         self.first.set_result(first)
 
 
@@ -125,7 +114,7 @@ class KVSender:
         device: torch.device,
         bind_host: str,
         timeout_s: float,
-        gather: Callable[[int, list[int], torch.Tensor], torch.Tensor],
+        gather: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
         release: Callable[[list[int]], None],
         on_done: Callable[[Push, PushResult], None],
     ) -> None:
@@ -244,6 +233,7 @@ class KVSender:
         step fails, the rest go out as they are (the trailer then aborts the transfer), so
         the pair stays in step."""
         bufs = self.staging.get(self.layout, len(push.blocks), self.device)
+        blocks = torch.tensor(push.blocks, dtype=torch.long, device=self.device)  # once a push
         failed = False
         for i, buf in enumerate(bufs):
             if not failed:
@@ -252,7 +242,7 @@ class KVSender:
                 except RuntimeError as e:
                     failed = True
                     push.missing = f"layer {i} of its KV was never computed: {e}"
-            yield buf if failed else self.gather(i, push.blocks, buf)
+            yield buf if failed else self.gather(i, blocks, buf)
 
     def _verdict(self, push: Push) -> tuple[bool, bytes]:
         if push.missing:

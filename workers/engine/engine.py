@@ -247,12 +247,12 @@ class LLMEngine:
         """Give back a reservation (the transfer failed or was cancelled)."""
         return self.scheduler.release(request_id)
 
-    def import_kv_layer(self, layer: int, block_ids: list[int], data: torch.Tensor) -> None:
+    def import_kv_layer(self, layer: int, block_ids, data: torch.Tensor) -> None:
         """Write one layer of a transfer into reserved blocks (nothing reads them yet)."""
         self.runner.import_layer(layer, block_ids, data)
 
     def export_kv_layer(
-        self, layer: int, block_ids: list[int], out: torch.Tensor | None = None
+        self, layer: int, block_ids, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """One layer of held blocks as `[2, n, block_size, kv_heads, dim]` (into `out` if
         given); thread-safe for a layer whose KV no step is writing any more."""

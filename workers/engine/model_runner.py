@@ -111,14 +111,12 @@ class ModelRunner:
             k.index_copy_(0, dst, k.index_select(0, src))
             v.index_copy_(0, dst, v.index_select(0, src))
 
-    def export_layer(
-        self, layer: int, block_ids: list[int], out: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def export_layer(self, layer: int, block_ids, out: torch.Tensor | None = None) -> torch.Tensor:
         """One layer of these blocks as a `[2, n, block_size, kv_heads, dim]` tensor (into
         `out` if given): the payload of a KV transfer. The caller must hold the blocks."""
         return gather_layer(self.kv_caches[layer], block_ids, out)
 
-    def import_layer(self, layer: int, block_ids: list[int], data: torch.Tensor) -> None:
+    def import_layer(self, layer: int, block_ids, data: torch.Tensor) -> None:
         """Write one layer of a transfer's payload into reserved blocks."""
         scatter_layer(self.kv_caches[layer], block_ids, data, self.model.ops)
 
@@ -149,10 +147,11 @@ class ModelRunner:
         )
 
 
-def gather_layer(kv, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-    """One layer's (K, V) cache at these blocks, as `[2, n, block_size, kv_heads, dim]`."""
+def gather_layer(kv, block_ids, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One layer's (K, V) cache at these blocks (a list, or an int64 tensor on the cache's
+    device, built once for every layer), as `[2, n, block_size, kv_heads, dim]`."""
     k, v = kv
-    idx = torch.tensor(block_ids, dtype=torch.long, device=k.device)
+    idx = torch.as_tensor(block_ids, dtype=torch.long, device=k.device)
     if out is None:
         out = torch.empty((2, len(block_ids), *k.shape[1:]), dtype=k.dtype, device=k.device)
     torch.index_select(k, 0, idx, out=out[0])
@@ -160,11 +159,11 @@ def gather_layer(kv, block_ids: list[int], out: torch.Tensor | None = None) -> t
     return out
 
 
-def scatter_layer(kv, block_ids: list[int], data: torch.Tensor, ops=None) -> None:
+def scatter_layer(kv, block_ids, data: torch.Tensor, ops=None) -> None:
     """The inverse of gather_layer. With the CPU kernels (`ops`), a memcpy per block:
     index_copy_ goes element by element, at a fifth of the speed."""
     k, v = kv
-    idx = torch.tensor(block_ids, dtype=torch.long, device=k.device)
+    idx = torch.as_tensor(block_ids, dtype=torch.long, device=k.device)
     data = data.to(k.device)
     if ops is not None and k.device.type == "cpu" and data.is_contiguous():
         ops.scatter_blocks(k, idx, data[0])
