@@ -45,6 +45,7 @@ from benchmarks.common import (  # noqa: E402
     print_table,
     vllm_env,
 )
+from workers.engine.config import POLICIES  # noqa: E402
 
 SYSTEMS = ["tandem-disagg", "tandem-colocated", "tandem-colocated-unchunked", "vllm"]
 HTTP_SUFFIX = "-http"  # a Tandem system driven over its OpenAI-compatible front
@@ -209,18 +210,21 @@ async def run_tandem(
     data_dir: Path,
     prefill_threads: int,
     dtype: str = "bfloat16",
+    policy: str = "shortest-first",
 ) -> tuple:
     from cluster import config_io
     from cluster.cluster import Cluster
     from cluster.config import ClusterConfig
 
-    engine = dict(model=str(model_dir), dtype=dtype, kv_cache_gb=1.0, max_num_seqs=64)
+    engine = dict(
+        model=str(model_dir), dtype=dtype, kv_cache_gb=1.0, max_num_seqs=64, policy=policy
+    )
     per_system = {
         "tandem-disagg": dict(
             mode="disaggregated",
             prefill=dict(replicas=1, cpus=1, threads=prefill_threads),
             decode=dict(replicas=1, cpus=1),
-            engine=dict(engine, prefill_chunk_size=512, max_num_batched_tokens=2048),
+            engine=dict(engine, prefill_chunk_size=256, max_num_batched_tokens=512),
         ),
         # colocated: one worker with both cores; chunked, or a long prompt in one step
         "tandem-colocated": dict(
@@ -401,6 +405,7 @@ async def amain(args) -> None:
                         RESULTS / f"data-{system}",
                         args.prefill_threads,
                         args.dtype,
+                        args.policy,
                     )
             except Exception as e:
                 log(f"[{system}] failed: {e}")
@@ -505,6 +510,13 @@ def main() -> None:
         type=int,
         default=1,
         help="torch threads of the disaggregated prefill worker (decode gets 1)",
+    )
+    p.add_argument(
+        "--policy",
+        default="shortest-first",
+        choices=POLICIES,
+        help="Tandem's scheduling order (shortest-first: a short prompt goes ahead of the "
+        "chunks of long ones)",
     )
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)

@@ -1,3 +1,5 @@
+import pytest
+
 from tests.unit.sched_helpers import (
     EOS,
     assert_no_leak,
@@ -180,6 +182,100 @@ def test_priority_policy_admits_urgent_first_and_preempts_least_urgent():
     s.add_request(make_request("high", priority=-1))
     out, _ = run_step(s)
     assert [r.request_id for r in out.scheduled] == ["high"]
+
+
+def _prefill_steps_until_first_token(s, rid, limit=50):
+    for step in range(1, limit + 1):
+        out, results = run_step(s)
+        if any(r.request_id == rid for r, _ in results):
+            return step
+    raise AssertionError(f"{rid} made no token in {limit} steps")
+
+
+@pytest.mark.parametrize("policy, steps", [("fcfs", 6), ("shortest-first", 1)])
+def test_a_short_prompt_waits_behind_long_prefills_only_under_fcfs(policy, steps):
+    # Two long prompts are mid-prefill, and each step's budget fits one chunk: FCFS makes the
+    # short prompt wait for every chunk left; shortest-first admits it ahead, at once.
+    s = make_scheduler(
+        num_blocks=256, policy=policy, max_num_batched_tokens=16, prefill_chunk_size=16
+    )
+    for first, rid in enumerate(("long1", "long2"), start=100):  # no shared prefix
+        s.add_request(make_request(rid, prompt_len=48, max_tokens=1, first_token=first))
+    run_step(s)
+    s.add_request(make_request("short", prompt_len=5, max_tokens=1))
+    assert _prefill_steps_until_first_token(s, "short") == steps
+    while s.has_unfinished():  # the long prompts still finish
+        run_step(s)
+    assert_no_leak(s)
+
+
+def test_shortest_first_keeps_a_long_chunk_out_of_a_step_that_ends_short_prompts():
+    s = make_scheduler(
+        num_blocks=256, policy="shortest-first", max_num_batched_tokens=32, prefill_chunk_size=16
+    )
+    s.add_request(make_request("long", prompt_len=48, max_tokens=1, first_token=100))
+    out, _ = run_step(s)
+    assert [(p.request_id, p.num_tokens) for p in out.prefills] == [("long", 16)]
+    s.add_request(make_request("short", prompt_len=5, max_tokens=1))
+    out, _ = run_step(s)  # the budget had room for a chunk, but the step stays short
+    assert [p.request_id for p in out.prefills] == ["short"]
+    out, _ = run_step(s)
+    assert [(p.request_id, p.num_tokens) for p in out.prefills] == [("long", 16)]
+    out, _ = run_step(s)  # its last chunk does end a prompt, and it comes alone
+    assert [(p.request_id, p.num_tokens, p.sample) for p in out.prefills] == [("long", 16, True)]
+    assert not s.has_unfinished()
+
+
+def test_shortest_first_advances_one_long_prompt_a_step():
+    s = make_scheduler(
+        num_blocks=256, policy="shortest-first", max_num_batched_tokens=64, prefill_chunk_size=16
+    )
+    s.add_request(make_request("a", prompt_len=48, max_tokens=1, first_token=100))
+    s.add_request(make_request("b", prompt_len=40, max_tokens=1, first_token=200))
+    chunks = [[(p.request_id, p.num_tokens) for p in run_step(s)[0].prefills] for _ in range(6)]
+    # The shorter first, one chunk a step, though the budget had room for four.
+    assert chunks == [[("b", 16)], [("b", 16)], [("b", 8)], [("a", 16)], [("a", 16)], [("a", 16)]]
+    assert not s.has_unfinished()
+
+
+def test_shortest_first_ages_a_long_prompt_ahead_of_fresh_short_ones():
+    s = make_scheduler(
+        num_blocks=256, policy="shortest-first", max_num_batched_tokens=16, prefill_chunk_size=16
+    )
+    old = make_request("old-long", prompt_len=48, max_tokens=1)
+    old.arrival_time -= 11.0  # waited longer than starve_after_s
+    s.add_request(old)
+    for i in range(3):
+        s.add_request(make_request(f"short{i}", prompt_len=5, max_tokens=1))
+    out, _ = run_step(s)
+    assert out.prefills[0].request_id == "old-long"
+
+
+def test_shortest_first_never_starves_a_long_prompt(monkeypatch):
+    # A short prompt arrives every step, forever; the long one still ends, once it has aged.
+    import workers.engine.policy as policy_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(policy_module.time, "monotonic", lambda: clock[0])
+    s = make_scheduler(
+        num_blocks=256, policy="shortest-first", max_num_batched_tokens=8, prefill_chunk_size=8
+    )
+    long = make_request("long", prompt_len=40, max_tokens=1, first_token=100)
+    long.arrival_time = clock[0]
+    s.add_request(long)
+    for step in range(200):
+        short = make_request(f"s{step}", prompt_len=8, max_tokens=1)
+        short.arrival_time = clock[0]
+        s.add_request(short)
+        _, results = run_step(s)
+        if any(r.request_id == "long" for r, _ in results):
+            break
+        clock[0] += 0.25
+    else:
+        raise AssertionError("the long prompt starved")
+    # The short ones went first until the long one had waited 10 s (step 40); then its five
+    # chunks of 8 ran, one a step.
+    assert step == 40 + 5 - 1
 
 
 def test_max_num_seqs_caps_the_batch():

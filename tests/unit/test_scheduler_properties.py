@@ -54,7 +54,7 @@ ops = st.lists(
     budget=st.integers(16, 64),
     caching=st.booleans(),
     batching=st.sampled_from(["continuous", "static"]),
-    policy=st.sampled_from(["fcfs", "priority"]),
+    policy=st.sampled_from(["fcfs", "priority", "shortest-first"]),
 )
 def test_random_workloads_never_leak_and_always_finish(
     ops, num_blocks, chunk, budget, caching, batching, policy

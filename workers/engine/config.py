@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
-POLICIES = ("fcfs", "priority")
+POLICIES = ("fcfs", "priority", "shortest-first")
 BATCHING = ("continuous", "static")
 ATTENTION_BACKENDS = ("auto", "torch", "torch-sdpa", "flash-attn")
 
@@ -38,7 +38,9 @@ class SchedulerConfig:
         if self.batching not in BATCHING:
             raise ValueError(f"batching={self.batching!r}: choose continuous or static")
         if self.policy not in POLICIES:
-            raise ValueError(f"policy {self.policy!r} is unknown (choose from fcfs, priority)")
+            raise ValueError(
+                f"policy {self.policy!r} is unknown (choose from {', '.join(POLICIES)})"
+            )
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark={self.watermark}: must be in [0, 1)")
 

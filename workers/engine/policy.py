@@ -4,12 +4,17 @@ requests in that order, serves running ones in that order, and preempts from its
 from __future__ import annotations
 
 import itertools
+import time
 from abc import ABC, abstractmethod
 
 from workers.engine.request import Request
 
 
 class SchedulingPolicy(ABC):
+    # Whether a waiting request may be admitted ahead of a running one with a larger key.
+    # FCFS and priority keep running requests first, as vLLM does.
+    admits_ahead = False
+
     def __init__(self) -> None:
         self._ticket = itertools.count()
         self._order: dict[str, int] = {}
@@ -42,7 +47,32 @@ class PriorityPolicy(SchedulingPolicy):
         return (req.priority, self._order[req.request_id])
 
 
-POLICIES: dict[str, type[SchedulingPolicy]] = {"fcfs": FCFSPolicy, "priority": PriorityPolicy}
+class ShortestFirstPolicy(SchedulingPolicy):
+    """Fewest prompt tokens left to compute first: decodes, then short prompts, then the
+    next chunk of a long one. A short prompt that arrives while long ones are being prefilled
+    is admitted ahead of them, so its first token waits one step, not for the long prompts'
+    every chunk (the mean TTFT of a prefill queue is least this way). Against starvation, a
+    request that has waited `starve_after_s` since it arrived goes ahead of every one that
+    has not, in arrival order. Prompt tokens found in the prefix cache still count as left:
+    the cache is only looked up at admission."""
+
+    admits_ahead = True
+
+    def __init__(self, starve_after_s: float = 10.0) -> None:
+        super().__init__()
+        self.starve_after_s = starve_after_s
+
+    def key(self, req: Request) -> tuple:
+        if time.monotonic() - req.arrival_time >= self.starve_after_s:
+            return (0, 0, self._order[req.request_id])
+        return (1, req.num_tokens - req.num_computed_tokens, self._order[req.request_id])
+
+
+POLICIES: dict[str, type[SchedulingPolicy]] = {
+    "fcfs": FCFSPolicy,
+    "priority": PriorityPolicy,
+    "shortest-first": ShortestFirstPolicy,
+}
 
 
 def make_policy(name: str) -> SchedulingPolicy:

@@ -5,7 +5,11 @@ Each step:
    one that needs a block when none is free preempts the policy's last running request
    (recompute: its blocks are freed, and it later re-prefills its prompt and outputs so far);
 2. if nothing was preempted, waiting requests are admitted, in policy order, while their
-   first chunk's blocks fit and the budget and `max_num_seqs` allow.
+   first chunk's blocks fit and the budget and `max_num_seqs` allow. A policy that
+   `admits_ahead` (shortest-first) merges the two: before each running request is served,
+   the waiting ones with smaller keys are admitted; and a chunk that does not end its
+   prompt only goes into a step with no other prompt chunk, so a step that makes first
+   tokens stays short.
 
 Static batching is request-level scheduling as in HF `generate` or FasterTransformer: a group
 is admitted only when the previous one has entirely finished, and a member that ends early
@@ -127,7 +131,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         # Static batching admits a new group only once the last one is gone.
         admit = self.config.batching == "continuous" or not self.running
-        budget = self._schedule_running(out, budget)
+        budget = self._schedule_running(out, budget, admit and self.policy.admits_ahead)
         for ghost in self.padding:
             if budget <= 0:
                 break
@@ -138,20 +142,24 @@ class Scheduler:
         out.block_copies = self.kv.take_copies()
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, ahead: bool) -> int:
         self.running.sort(key=self.policy.key)
         for req in list(self.running):
             if req not in self.running:
                 continue  # preempted earlier in this loop to make room
+            if ahead and not out.preempted_ids:
+                budget = self._schedule_waiting(out, budget, before=self.policy.key(req))
             n = self._num_new_tokens(req, budget)
-            if n == 0:
+            if n == 0 or (ahead and self._yields(req, n, out)):
                 continue
             while not self.kv.can_allocate(req, n):
                 if len(self.running) == 1:
                     # Alone and still out of blocks: the cache can never hold this request.
                     self._fail_unfittable(req, out)
                     break
-                victim = self.running[-1]
+                # The last of the largest keys (running[-1], unless some were admitted
+                # ahead in this loop and appended out of order).
+                victim = max(reversed(self.running), key=self.policy.key)
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
                 if victim is req:
@@ -162,10 +170,19 @@ class Scheduler:
                 self._emit(out, req, n)
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, before=None) -> int:
+        """Admit waiting requests in policy order (only those whose key is below `before`,
+        when given); returns the budget left."""
         self.waiting.sort(key=self.policy.key)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[i]
+            if before is not None and self.policy.key(req) >= before:
+                break
+            ahead = self.policy.admits_ahead
+            if ahead and self._yields(req, self._num_new_tokens(req, budget), out):
+                i += 1
+                continue
             # A request that will fork counts all its choices against max_num_seqs, and so do
             # running ones that have not forked yet.
             seqs = sum(r.sampling.n if r.forks_pending else 1 for r in [*self.running, req])
@@ -178,11 +195,20 @@ class Scheduler:
                 # Nothing running will ever free a block: this request cannot fit.
                 self._fail_unfittable(req, out)
                 continue
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             budget -= n
             self._emit(out, req, n)
+        return budget
+
+    @staticmethod
+    def _yields(req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Under an admits-ahead policy, a chunk that does not end its prompt only goes into
+        a step with no other prompt chunk: one long prompt advances at a time (as vLLM's
+        max_num_partial_prefills=1), and a step that ends short prompts stays short."""
+        partial = 1 < n < req.num_tokens - req.num_computed_tokens
+        return partial and bool(out.prefills)
 
     def _fail_unfittable(self, req: Request, out: SchedulerOutput) -> None:
         error = f"request needs more than the {self.pool.num_blocks} KV blocks of this worker"
