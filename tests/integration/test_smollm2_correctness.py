@@ -1,5 +1,6 @@
 """G4 on the real default model: SmolLM2-135M-Instruct (GGUF), fp32, against transformers
-loading the same file. One checkpoint load is shared by every engine in this module."""
+loading the same file (and bf16 against both). One checkpoint load is shared by every fp32
+engine in this module."""
 
 import json
 import subprocess
@@ -90,6 +91,22 @@ def test_greedy_with_prefix_cache_hits(shared):
     assert run_engine(engine, shared["prompts"], GREEDY) == shared["expected"]
     full_blocks = sum((len(p) - 1) // 16 for p in shared["prompts"])
     assert engine.pool.num_prefix_hits - hits_before >= full_blocks
+
+
+def test_bf16_follows_transformers_and_a_sequence_ignores_its_batch(shared):
+    # bf16 runs on the CPU's bf16 kernels where it has them (linear layers, attention). Its
+    # logits cannot equal fp32's, but nearly every argmax must; and a sequence's tokens must
+    # not depend on what it is batched with, so the cluster's equal the offline engine's.
+    # (The prefix cache is off: a prompt found there is computed in another order.)
+    cfg = EngineConfig(dtype="bfloat16", num_kv_blocks=256, enable_prefix_caching=False)
+    engine = LLMEngine(cfg, tokenizer=shared["tok"])
+    long_prompt = sum(shared["prompts"], [])
+    ours, theirs = engine_logits(engine, long_prompt), hf_logits(shared["ref"], long_prompt)
+    agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    assert agree >= 0.95, agree
+    alone = [run_engine(engine, [p], GREEDY)[0] for p in shared["prompts"]]
+    assert run_engine(engine, shared["prompts"], GREEDY) == alone
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
 
 
 def test_cli_offline_json(shared, tmp_path):

@@ -1,5 +1,5 @@
-"""Linear weights prepacked for oneDNN: the same products as F.linear, the dense copy gone,
-a tied lm_head's embedding kept, and a clear fallback when packing is off."""
+"""Linear weights prepacked for oneDNN or the bf16 kernel: the same products as F.linear, the
+dense copy gone, a tied lm_head's embedding kept, and a clear fallback when packing is off."""
 
 import logging
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from workers.model.cpu_kernels import cpu_kernels
 from workers.model.linear import PackedLinear, pack_linears, packing_available
 
 CPU = torch.device("cpu")
@@ -39,6 +40,54 @@ def test_packed_products_equal_dense(dtype, bias):
     assert torch.allclose(
         layer(wide[:, ::2]).float(), F.linear(wide[:, ::2], weight, b).float(), rtol=tol, atol=tol
     )
+
+
+def _bf16_kernel_missing() -> str | None:
+    if packing_available(CPU) is not None:
+        return packing_available(CPU)
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.linear_bf16_supported():
+        return "no AVX512-BF16 kernel on this CPU"
+    return None
+
+
+@pytest.mark.skipif(_bf16_kernel_missing() is not None, reason=str(_bf16_kernel_missing()))
+def test_bf16_kernel_rows_do_not_depend_on_the_batch_or_threads():
+    torch.manual_seed(0)
+    layer = PackedLinear(576, 960, bias=False).to(torch.bfloat16)
+    weight = layer.weight.detach().clone()
+    assert pack_linears(layer, CPU) == 1
+    assert layer.kernels is not None and layer.weight is None
+    x = torch.randn(300, 576).to(torch.bfloat16)
+    full = layer(x)
+    want = x.float() @ weight.float().t()
+    assert torch.allclose(full.float(), want, rtol=1e-2, atol=2e-2), (
+        (full.float() - want).abs().max()
+    )
+    # A sequence's row is the same bits alone, in any batch (tiles of 8 rows, 256-row
+    # blocks), and on one thread or two: the cluster's outputs equal the offline engine's.
+    for rows in (1, 7, 8, 9, 257):
+        assert torch.equal(layer(x[:rows]), full[:rows]), rows
+    assert torch.equal(layer(x[5:6]), full[5:6])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x), full)
+    finally:
+        torch.set_num_threads(threads)
+    # Leading dimensions and strided rows are taken as F.linear takes them.
+    assert torch.equal(layer(x[:6].view(2, 3, 576)), full[:6].view(2, 3, 960))
+    wide = torch.randn(4, 1152).to(torch.bfloat16)
+    assert torch.equal(layer(wide[:, ::2]), layer(wide[:, ::2].contiguous()))
+
+
+def test_bf16_kernel_is_not_used_where_it_does_not_fit():
+    assert (
+        not PackedLinear(96, 100, bias=False).to(torch.bfloat16).fits_bf16_kernel()
+    )  # 100 outputs
+    assert not PackedLinear(96, 160, bias=True).to(torch.bfloat16).fits_bf16_kernel()
+    assert not PackedLinear(96, 160, bias=False).fits_bf16_kernel()  # fp32
+    assert PackedLinear(96, 160, bias=False).to(torch.bfloat16).fits_bf16_kernel()
 
 
 @needs_onednn

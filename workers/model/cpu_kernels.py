@@ -9,6 +9,8 @@ and cached (TORCH_EXTENSIONS_DIR, about 30 s once per machine):
   such ops, not their arithmetic.
 - `scatter_blocks`: a KV transfer's layer copied into its reserved blocks, a block at a time
   (index_copy_ goes element by element).
+- `pack_linear_bf16`, `linear_bf16`: bf16 linear layers on CPUs with AVX512-BF16
+  (csrc/linear_bf16_cpu.cpp; `linear_bf16_supported` says whether this build has them).
 
 If the build fails (no compiler), the model keeps its torch paths and says so once.
 Set TANDEM_CPU_KERNELS=0 to skip the kernels (and the oneDNN weight packing, linear.py).
@@ -25,7 +27,11 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "paged_attention_cpu.cpp", _CSRC / "layer_ops_cpu.cpp"]
+_SOURCES = [
+    _CSRC / "paged_attention_cpu.cpp",
+    _CSRC / "layer_ops_cpu.cpp",
+    _CSRC / "linear_bf16_cpu.cpp",
+]
 _FUNCTIONS = [
     "paged_decode_attention",
     "rms_norm",
@@ -33,6 +39,9 @@ _FUNCTIONS = [
     "rotary_inplace",
     "silu_and_mul",
     "scatter_blocks",
+    "linear_bf16_supported",
+    "pack_linear_bf16",
+    "linear_bf16",
 ]
 # Vectorising the fp32 reductions needs reassociation; the kernels never see inf or NaN.
 _CFLAGS = [
@@ -88,7 +97,7 @@ def _build():
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(
-            name=f"tandem_cpu_kernels_v2_{_cpu_tag()}",
+            name=f"tandem_cpu_kernels_v3_{_cpu_tag()}",
             cpp_sources=[src.read_text() for src in _SOURCES],
             extra_include_paths=[str(_CSRC)],
             functions=_FUNCTIONS,
