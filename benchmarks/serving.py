@@ -7,7 +7,8 @@ Requests come from a JSONL workload (default: short chats with long documents mi
 Poisson arrivals (--burstiness 1) or gamma arrivals (other values), seeded, so every system
 sees the same trace. Systems:
 - tandem-disagg: 1 prefill + 1 decode worker, one core each (the prefill worker runs
-  --prefill-threads threads, default 2: it is bursty, and a long prompt then takes both);
+  --prefill-threads threads, default 1), prompts of up to --local-prefill-max-tokens (128)
+  prefilled on the decode worker;
 - tandem-colocated: 1 worker doing both phases on both cores, chunked prefill;
 - tandem-colocated-unchunked: the same without chunking (a long prompt stalls decodes);
 - vllm: vLLM's CPU build behind its OpenAI-compatible server, when installed (see README),
@@ -211,6 +212,7 @@ async def run_tandem(
     prefill_threads: int,
     dtype: str = "bfloat16",
     policy: str = "shortest-first",
+    local_prefill_max_tokens: int = 0,
 ) -> tuple:
     from cluster import config_io
     from cluster.cluster import Cluster
@@ -239,7 +241,9 @@ async def run_tandem(
         ),
     }
     http = system.endswith(HTTP_SUFFIX)
-    router = {"port": 0, "http_port": 0} if http else {"port": 0}
+    router = {"port": 0, "local_prefill_max_tokens": local_prefill_max_tokens}
+    if http:
+        router["http_port"] = 0
     base = per_system[system.removesuffix(HTTP_SUFFIX)]
     values = dict(base, router=router, dashboard=False, data_dir=str(data_dir))
     cfg = config_io.build(ClusterConfig, values, system)
@@ -406,6 +410,7 @@ async def amain(args) -> None:
                         args.prefill_threads,
                         args.dtype,
                         args.policy,
+                        args.local_prefill_max_tokens,
                     )
             except Exception as e:
                 log(f"[{system}] failed: {e}")
@@ -517,6 +522,13 @@ def main() -> None:
         choices=POLICIES,
         help="Tandem's scheduling order (shortest-first: a short prompt goes ahead of the "
         "chunks of long ones)",
+    )
+    p.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=128,
+        help="disaggregated: requests this short are prefilled on their decode worker "
+        "(router.local_prefill_max_tokens; 0: every prompt goes to the prefill worker)",
     )
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)

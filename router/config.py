@@ -40,6 +40,14 @@ class RouterConfig:
             "step has run this long is marked dead (hung)"
         ),
     )
+    local_prefill_max_tokens: int = field(
+        default=0,
+        metadata=_h(
+            "disaggregated mode: a request of at most this many tokens (its prompt, and on a "
+            "replay the tokens already sent) is prefilled on its decode worker, mixed into "
+            "its batches, with no prefill queue and no KV transfer; 0: never"
+        ),
+    )
     replay: bool = field(
         default=True, metadata=_h("replay a request whose worker failed on another worker")
     )
@@ -58,7 +66,7 @@ class RouterConfig:
             raise bad("port", "must be a TCP port (0 picks a free one)")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise bad("http_port", "must be a TCP port (0 picks a free one)")
-        for name in ("max_in_flight", "max_queue"):
+        for name in ("max_in_flight", "max_queue", "local_prefill_max_tokens"):
             if getattr(self, name) < 0:
                 raise bad(name, "must be >= 0")
         for name in (

@@ -2,6 +2,8 @@
 
     attempt: reserve blocks on a decode worker -> prefill on a prefill worker (first token
              streams out at once) -> follow the decode worker's events to the last one
+             (colocated, or a short request with local_prefill_max_tokens: submit it whole
+             to a decode worker, which prefills it too)
     failed?  clean up both workers -> replay: a new attempt re-prefills the prompt and every
              token already sent, and continues after them
 
@@ -198,8 +200,8 @@ class RequestDriver:
         self.prefill = self.decode = None
         if self.shared is not None and attempt == self.shared.attempt:
             await self.shared.begin()  # sets self.prefill and self.decode
-            return await self._follow(attempt, landed=self.router.mode == "colocated")
-        if self.router.mode == "colocated":
+            return await self._follow(attempt, landed=self.shared.local)
+        if self._local(spec):
             d = await self._submit_colocated(spec)
             self._begin(attempt, "", d.name)
             return await self._follow(attempt, landed=True)
@@ -210,6 +212,15 @@ class RequestDriver:
         r = await self._prefill(p, PrefillJob(spec, d.endpoint))
         self._put(first_event(spec, r.first[0]))
         return await self._follow(attempt, landed=False)
+
+    def _local(self, spec: RequestSpec) -> bool:
+        """Whether this attempt runs whole on a decode worker: always in colocated mode; in
+        disaggregated mode when it is short enough that a prefill worker's queue and the KV
+        transfer would cost it more than a step on its decode worker does (as Dynamo's
+        conditional disaggregation)."""
+        if self.router.mode == "colocated":
+            return True
+        return spec.num_tokens <= self.router.config.local_prefill_max_tokens
 
     def _begin(self, attempt: int, prefill: str, decode: str) -> None:
         cause = self.failures[-1] if self.failures else ""
@@ -248,6 +259,7 @@ class RequestDriver:
             await asyncio.sleep(0.05)
 
     async def _submit_colocated(self, spec: RequestSpec) -> WorkerRef:
+        """The whole request to a decode worker: it prefills the prompt itself."""
         for w in await self._candidates(Pool.DECODE):
             ref = w.handle.submit.remote(spec)
             try:
@@ -452,6 +464,7 @@ class SharedStart:
         self.spec = spec
         self.attempt = spec.attempt
         self.lead = RequestDriver(router, spec, None)  # places the request; follows nothing
+        self.local = self.lead._local(spec)  # prefilled on its decode worker
         self.drivers: list[RequestDriver] = []  # by choice index
         self.task: asyncio.Task | None = None
 
@@ -473,7 +486,7 @@ class SharedStart:
     async def _place(self) -> None:
         lead, spec = self.lead, replace(self.spec, router_id=self.lead.router.id)
         try:
-            if lead.router.mode == "colocated":
+            if self.local:
                 d = await lead._submit_colocated(spec)
                 self._began("", d.name)
                 return

@@ -1,0 +1,60 @@
+"""Conditional disaggregation (router.local_prefill_max_tokens): a short request is prefilled
+on its decode worker, a long one on the prefill worker, and both give the offline engine's
+tokens. Real Ray actors, Redis and gRPC, SmolLM2 in fp32."""
+
+import pytest
+
+from tests.integration.harness import CHATS, greedy, offline_reference, one_by_one
+from workers.messages import Pool
+
+pytestmark = pytest.mark.integration
+
+LOCAL_MAX = 64  # every chat below fits; the long ones do not
+LONG = " ".join(CHATS)  # about 120 tokens with the chat template
+REQUESTS = [greedy(c, 16) for c in CHATS[:4]] + [greedy(LONG + f" ({i})", 16) for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    h = one_by_one(str(tmp_path_factory.mktemp("data")), local_prefill_max_tokens=LOCAL_MAX)
+    yield h
+    h.stop()
+
+
+def test_short_requests_prefill_on_their_decode_worker_and_long_ones_do_not(cluster):
+    want = offline_reference(REQUESTS)
+    results = cluster.generate_many(REQUESTS)
+    prefill = cluster.cluster.router.directory.members(Pool.PREFILL)[0]
+    kinds = []
+
+    async def pushed(rid):
+        return await prefill.handle.push_result.remote(rid, 5.0)
+
+    for r, tokens in zip(results, want):
+        assert r.status == "OK", r.error
+        assert r.token_ids == tokens  # G4, whichever worker prefilled it
+        rec = cluster.run(cluster.store.get(r.request_id))
+        local = len(rec.prompt_ids) <= LOCAL_MAX
+        kinds.append(local)
+        assert rec.prefill == ("" if local else prefill.name), (rec.prefill, len(rec.prompt_ids))
+        assert rec.decode == "decode-0" and rec.attempt == 1
+        # A KV push exists for the long requests alone.
+        push = cluster.run(pushed(r.request_id))
+        assert push.ok != local, push
+    assert kinds == [True] * 4 + [False] * 2
+    s = cluster.wait_all_free()
+    for w in s["prefill"] + s["decode"]:
+        assert w["kv_blocks_free"] == w["kv_blocks_total"], w  # G3
+
+
+def test_a_short_request_with_n_choices_forks_on_its_decode_worker(cluster):
+    from router.client import to_proto
+
+    [want] = offline_reference([greedy(CHATS[6], 12)])
+    req = greedy(CHATS[6], 12, n=2)
+    results = cluster.run(cluster.client.generate_choices(to_proto(req, "local-n2"), timeout_s=120))
+    assert [r.index for r in results] == [0, 1]
+    assert all(r.status == "OK" and r.token_ids == want for r in results)
+    rec = cluster.run(cluster.store.get("local-n2#1"))
+    assert rec.prefill == "" and rec.choices == 2
+    cluster.wait_all_free()
