@@ -58,3 +58,36 @@ def test_a_short_request_with_n_choices_forks_on_its_decode_worker(cluster):
     rec = cluster.run(cluster.store.get("local-n2#1"))
     assert rec.prefill == "" and rec.choices == 2
     cluster.wait_all_free()
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(900)
+def test_locally_prefilled_streams_survive_their_decode_worker(cluster):
+    from tests.fault.faults import (
+        assert_clean,
+        assert_whole,
+        kill,
+        live_workers,
+        run_with_fault,
+        wait_for,
+        workload,
+    )
+
+    requests = workload(8, max_tokens=60)  # short chats: every first attempt is local
+    reference = cluster.generate_many(requests)
+    for r in reference:
+        rec = cluster.run(cluster.store.get(r.request_id))
+        assert r.status == "OK" and rec.prefill == "", (r.error, len(rec.prompt_ids))
+
+    async def strike():
+        [only] = await live_workers(cluster.client, "decode")
+        kill(only["pid"])
+
+    results, _ = cluster.run(run_with_fault(cluster.client, requests, strike), timeout=600)
+    # G1, G2: each stream whole, equal to the no-fault run, replayed on the replacement (a
+    # replay carries the tokens already sent, so it may be long enough for the prefill worker).
+    assert_whole(results, [r.token_ids for r in reference])
+    recs = [cluster.run(cluster.store.get(r.request_id)) for r in results]
+    assert any("decode-0" in f for rec in recs for f in rec.failures), "nothing replayed"
+    wait_for(lambda: cluster.status()["pools"]["decode"]["live"] == 1, 180, "a new decode worker")
+    assert_clean(cluster.status, lambda: cluster.run(cluster.store.active()))  # G3
