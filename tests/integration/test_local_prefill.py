@@ -1,6 +1,7 @@
 """Conditional disaggregation (router.local_prefill_max_tokens): a short request is prefilled
 on its decode worker, a long one on the prefill worker, and both give the offline engine's
-tokens. Real Ray actors, Redis and gRPC, SmolLM2 in fp32."""
+tokens; killing the decode worker loses none of them. Real Ray actors, Redis and gRPC,
+SmolLM2 in fp32."""
 
 import pytest
 
