@@ -75,7 +75,8 @@ def test_bf16_kernel_rows_do_not_depend_on_the_batch_or_threads():
         assert torch.equal(layer(x), full)
     finally:
         torch.set_num_threads(threads)
-    # Leading dimensions and strided rows are taken as F.linear takes them.
+    # Leading dimensions, strided rows and no rows at all are taken as F.linear takes them.
+    assert layer(x[:0]).shape == (0, 960)
     assert torch.equal(layer(x[:6].view(2, 3, 576)), full[:6].view(2, 3, 960))
     wide = torch.randn(4, 1152).to(torch.bfloat16)
     assert torch.equal(layer(wide[:, ::2]), layer(wide[:, ::2].contiguous()))

@@ -44,7 +44,8 @@ class PackedLinear(nn.Linear):
             rows = x.reshape(-1, x.shape[-1])
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
-            return self.kernels.linear_bf16(rows, self.packed).view(*x.shape[:-1], -1)
+            out = self.kernels.linear_bf16(rows, self.packed)
+            return out.view(*x.shape[:-1], out.shape[-1])
         return torch.ops.mkldnn._linear_pointwise(
             x.contiguous(), self.packed, self.bias, "none", [], ""
         )
