@@ -239,11 +239,13 @@ def run_prefill(args) -> list[dict]:
                     push = ray.get(prefill.push_result.remote(rid), timeout=300)
                     if not (first.ok and push.ok):
                         raise RuntimeError(f"{rid}: {first.error or push.error}")
+                    deadline = time.monotonic() + 300
                     while not any(
                         e.request_id == rid and e.finished
                         for e in ray.get(decode.poll.remote("bench", 1.0))
                     ):
-                        pass
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"{rid}: the decode worker never finished it")
                     if run:
                         samples[mode, n].append((prefill_s, push.seconds))
                     ms = (prefill_s * 1e3, push.seconds * 1e3)

@@ -131,6 +131,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         # Static batching admits a new group only once the last one is gone.
         admit = self.config.batching == "continuous" or not self.running
+        # Sorted once a step: admissions only pop from it, and a preemption (which appends)
+        # ends admission for the step.
+        self.waiting.sort(key=self.policy.key)
         budget = self._schedule_running(out, budget, admit and self.policy.admits_ahead)
         for ghost in self.padding:
             if budget <= 0:
@@ -171,9 +174,8 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, before=None) -> int:
-        """Admit waiting requests in policy order (only those whose key is below `before`,
-        when given); returns the budget left."""
-        self.waiting.sort(key=self.policy.key)
+        """Admit waiting requests in policy order (`waiting` is sorted by `schedule`; only
+        those whose key is below `before`, when given); returns the budget left."""
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[i]
