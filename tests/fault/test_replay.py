@@ -137,13 +137,15 @@ def test_prefill_worker_killed_mid_prefill(cluster, reference):
 
 def test_kv_transfer_cut_midway(cluster, reference):
     """Both decode workers are frozen (SIGSTOP) as the first prefill ends, so the pushes
-    then under way stop mid-payload; one of them is killed, the other thawed."""
+    then under way stop mid-payload; the one holding the most reservations (pushes on their
+    way to it) is killed, the other thawed."""
     prompts = [greedy(LONG_TEXT[: 900 + 60 * i], 16, ignore_eos=True) for i in range(12)]
     wanted = [r.token_ids for r in cluster.generate_many(prompts)]
     frozen: list[dict] = []
 
     async def strike():
-        frozen.extend(await live_workers(cluster.client, "decode"))
+        workers = await live_workers(cluster.client, "decode")
+        frozen.extend(sorted(workers, key=lambda w: w["reserved"], reverse=True))
         for w in frozen:
             os.kill(w["pid"], signal.SIGSTOP)
         # The prefill worker goes on prefilling and pushing: within a second its sender is
