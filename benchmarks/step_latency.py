@@ -190,7 +190,8 @@ def worker_main(system: str) -> None:
     def prompt(length: int) -> list[int]:  # fresh random ids: no prefix cache hits
         return [rng.randrange(200, 40000) for _ in range(length)]
 
-    measure_decode(engine, [prompt(64) for _ in range(2)], 8)  # warm-up: kernels, graphs
+    warm = min(2, max(job["batches"]))  # no more than the engine's max_num_seqs
+    measure_decode(engine, [prompt(64) for _ in range(warm)], 8)  # warm-up: kernels, graphs
     measure_prefill(engine, prompt(256))
     decode, prefill = [], []
     for context in job["contexts"]:

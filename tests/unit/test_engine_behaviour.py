@@ -160,39 +160,86 @@ def test_kernel_numerics_against_a_dense_reference(dtype, tol, d, batch):
         kernel.paged_decode_attention(q, k_cache, v_cache, tables, lens * 0, d**-0.5)
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("offset, q_len", [(0, 9), (5, 1), (12, 7), (37, 40)])
-def test_prefill_chunk_attention_against_a_dense_reference(dtype, tol, offset, q_len):
-    """A prompt chunk after `offset` cached tokens (its prefix read from scattered blocks,
-    the CPU's two-pass path), or a first chunk (offset 0), against causal attention written
-    out in fp32."""
+def _prefill_case(dtype, offset, q_len, d=16, bs=4, kvh=2, heads=6, seed=0):
+    """A prompt chunk after `offset` cached tokens, its K/V already in scattered blocks."""
     from workers.model.attention.base import PrefillSlice
-    from workers.model.attention.torch_backend import TorchAttentionBackend
 
-    torch.manual_seed(0)
-    bs, kvh, heads, d = 4, 2, 6, 16
+    torch.manual_seed(seed)
     ctx = offset + q_len
     k_all, v_all = torch.randn(ctx, kvh, d).to(dtype), torch.randn(ctx, kvh, d).to(dtype)
     q = torch.randn(q_len, heads, d).to(dtype)
-    table = torch.randperm(32)[: -(-ctx // bs)]
-    k_cache, v_cache = (
-        torch.zeros(32, bs, kvh, d, dtype=dtype),
-        torch.zeros(32, bs, kvh, d, dtype=dtype),
-    )
+    blocks = -(-ctx // bs) + 8
+    table = torch.randperm(blocks)[: -(-ctx // bs)]
+    k_cache = torch.zeros(blocks, bs, kvh, d, dtype=dtype)
+    v_cache = torch.zeros(blocks, bs, kvh, d, dtype=dtype)
     slots = torch.tensor([int(table[i // bs]) * bs + i % bs for i in range(ctx)])
     k_cache.view(-1, kvh, d)[slots] = k_all
     v_cache.view(-1, kvh, d)[slots] = v_all
-    backend = TorchAttentionBackend(torch.device("cpu"), use_kernel=False)
     part = PrefillSlice(0, q_len, ctx, table)
+    return q, k_all, v_all, k_cache, v_cache, part
+
+
+def _prefill_kernel_backend():
+    from workers.model.attention.torch_backend import TorchAttentionBackend
+
+    backend = TorchAttentionBackend(torch.device("cpu"))
+    probe = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    if not backend._prefill_kernel(probe, torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16)):
+        pytest.skip("no bf16 prefill kernel here (no compiler or no AVX512-BF16)")
+    return backend
+
+
+@pytest.mark.parametrize(
+    "dtype, tol, d, kernel",
+    [
+        (torch.float32, 1e-5, 16, False),
+        (torch.bfloat16, 2e-2, 16, False),
+        (torch.bfloat16, 2e-2, 64, True),  # the compiled kernel's head sizes
+        (torch.bfloat16, 2e-2, 128, True),
+    ],
+)
+@pytest.mark.parametrize("offset, q_len", [(0, 9), (5, 1), (12, 7), (37, 40), (70, 45)])
+def test_prefill_chunk_attention_against_a_dense_reference(dtype, tol, d, kernel, offset, q_len):
+    """A prompt chunk after `offset` cached tokens (its prefix read from scattered blocks: the
+    CPU's two-pass path, or the bf16 kernel), or a first chunk (offset 0), against causal
+    attention written out in fp32."""
+    from workers.model.attention.torch_backend import TorchAttentionBackend
+
+    heads, kvh = 6, 2
+    q, k_all, v_all, k_cache, v_cache, part = _prefill_case(dtype, offset, q_len, d=d)
+    if kernel:
+        backend = _prefill_kernel_backend()
+    else:
+        backend = TorchAttentionBackend(torch.device("cpu"), use_kernel=False)
     out = backend._prefill(q, k_all[offset:], v_all[offset:], k_cache, v_cache, part, d**-0.5)
     keys = k_all.float().repeat_interleave(heads // kvh, dim=1)
     vals = v_all.float().repeat_interleave(heads // kvh, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * d**-0.5
-    seen = torch.arange(ctx)[None, :] <= torch.arange(q_len)[:, None] + offset
+    seen = torch.arange(offset + q_len)[None, :] <= torch.arange(q_len)[:, None] + offset
     w = scores.masked_fill(~seen, float("-inf")).softmax(-1)
     want = torch.einsum("hqk,khd->qhd", w, vals)
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+
+
+def test_prefill_kernel_rows_do_not_depend_on_chunking_or_threads():
+    """A query row's output is the same bits whether its prompt is prefilled in one chunk or
+    several, and on one thread or two: chunk sizes and pools do not change a greedy output."""
+    backend = _prefill_kernel_backend()
+    q, k_all, v_all, k_cache, v_cache, whole = _prefill_case(torch.bfloat16, 0, 203, d=64)
+    full = backend._prefill(q, k_all, v_all, k_cache, v_cache, whole, 0.125)
+    for start, stop in [(0, 37), (37, 40), (40, 203)]:  # chunks that cut 8-row tiles
+        part = type(whole)(0, stop - start, stop, whole.block_table)
+        got = backend._prefill(
+            q[start:stop], k_all[start:stop], v_all[start:stop], k_cache, v_cache, part, 0.125
+        )
+        assert torch.equal(got, full[start:stop]), (start, stop)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(backend._prefill(q, k_all, v_all, k_cache, v_cache, whole, 0.125), full)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_min_tokens_holds_back_eos_and_stop_strings(tiny_llama_dir):

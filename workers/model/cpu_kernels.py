@@ -11,6 +11,9 @@ and cached (TORCH_EXTENSIONS_DIR, about 30 s once per machine):
   (index_copy_ goes element by element).
 - `pack_linear_bf16`, `linear_bf16`: bf16 linear layers on CPUs with AVX512-BF16
   (csrc/linear_bf16_cpu.cpp; `linear_bf16_supported` says whether this build has them).
+- `prefill_attention_bf16`: a bf16 prefill chunk's causal attention read off the paged cache,
+  flash-style on the same instructions (csrc/prefill_attention_cpu.cpp); torch's CPU flash
+  kernel computes in fp32 and reaches about half its speed.
 
 If the build fails (no compiler), the model keeps its torch paths and says so once.
 Set TANDEM_CPU_KERNELS=0 to skip the kernels (and the oneDNN weight packing, linear.py).
@@ -31,6 +34,7 @@ _SOURCES = [
     _CSRC / "paged_attention_cpu.cpp",
     _CSRC / "layer_ops_cpu.cpp",
     _CSRC / "linear_bf16_cpu.cpp",
+    _CSRC / "prefill_attention_cpu.cpp",
 ]
 _FUNCTIONS = [
     "paged_decode_attention",
@@ -42,6 +46,8 @@ _FUNCTIONS = [
     "linear_bf16_supported",
     "pack_linear_bf16",
     "linear_bf16",
+    "prefill_attention_bf16_supported",
+    "prefill_attention_bf16",
 ]
 # Vectorising the fp32 reductions needs reassociation; the kernels never see inf or NaN.
 _CFLAGS = [
@@ -97,7 +103,7 @@ def _build():
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(
-            name=f"tandem_cpu_kernels_v3_{_cpu_tag()}",
+            name=f"tandem_cpu_kernels_v4_{_cpu_tag()}",
             cpp_sources=[src.read_text() for src in _SOURCES],
             extra_include_paths=[str(_CSRC)],
             functions=_FUNCTIONS,
