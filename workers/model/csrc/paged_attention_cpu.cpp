@@ -7,9 +7,9 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <vector>
 
 #include "cpu_math.h"
-#include <vector>
 
 namespace {
 
@@ -99,6 +99,135 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
   });
 }
 
+#if defined(__AVX512BF16__)
+// The bf16 path on AVX512-BF16, for head_dim 64 or 128 and up to 8 query heads per KV head.
+// Work items as decode_kernel's; a key's score for each of the G query heads of its KV head is
+// one vdpbf16ps chain over the key's row (the generic loop above converts every element to fp32
+// and reduces it one dot at a time), the softmax runs 16 lanes at a time, and each value row
+// is widened to fp32 once and weighed in fp32 for all G heads.
+template <int D, int G>
+void decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                 const int64_t* tables, const int64_t* lens, uint16_t* out, int64_t batch,
+                 int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                 int64_t table_width, float scale) {
+  constexpr int kC = D / 32;  // bf16 vectors per row
+  constexpr int kV = D / 16;  // fp32 vectors per row
+  const int64_t token_stride = num_kv_heads * D;
+  // As in decode_kernel: every KV head of a sequence in one item when the batch alone keeps
+  // the threads busy, one head each otherwise.
+  const int64_t nh = batch >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t items_per_seq = num_kv_heads / nh;
+  at::parallel_for(0, batch * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / items_per_seq, h0 = (item % items_per_seq) * nh, len = lens[b];
+      const int64_t* table = tables + b * table_width;
+      const int64_t blocks = (len + block_size - 1) / block_size;
+      const int64_t rows = nh * G, last = len - 1;
+      scores.resize(rows * len);
+      float* sc = scores.data();
+      for (int64_t hh = 0; hh < nh; ++hh) {  // scores: row hh * G + g, token t
+        const uint16_t* qb = q + (b * num_heads + (h0 + hh) * G) * D;
+        __m512bh qz[G][kC];
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < kC; ++c)
+            qz[g][c] = (__m512bh)_mm512_loadu_si512(qb + g * D + c * 32);
+        for (int64_t blk = 0; blk < blocks; ++blk) {
+          const int64_t t0 = blk * block_size, n = std::min(block_size, len - t0);
+          const uint16_t* kb = k_cache + table[blk] * block_size * token_stride + (h0 + hh) * D;
+          for (int64_t i = 0; i < n; ++i) {
+            __m512bh k[kC];
+            for (int c = 0; c < kC; ++c)
+              k[c] = (__m512bh)_mm512_loadu_si512(kb + i * token_stride + c * 32);
+            for (int g = 0; g < G; ++g) {
+              __m512 s = _mm512_setzero_ps();
+              for (int c = 0; c < kC; ++c) s = _mm512_dpbf16_ps(s, qz[g][c], k[c]);
+              sc[(hh * G + g) * len + t0 + i] = _mm512_reduce_add_ps(s) * scale;
+            }
+          }
+        }
+      }
+      std::vector<float> inv(rows);
+      const __m512 lo = _mm512_set1_ps(-1e30f);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = sc + r * len;
+        __m512 vmax = lo;
+        for (int64_t t = 0; t <= last; t += 16)
+          vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(lo, tandem::first_lanes(len - t), sr + t));
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        __m512 vsum = _mm512_setzero_ps();
+        for (int64_t t = 0; t <= last; t += 16) {
+          const __mmask16 m = tandem::first_lanes(len - t);
+          const __m512 e = _mm512_maskz_mov_ps(
+              m, tandem::exp_nonpositive_x16(_mm512_sub_ps(_mm512_mask_loadu_ps(lo, m, sr + t), mx)));
+          _mm512_mask_storeu_ps(sr + t, m, e);
+          vsum = _mm512_add_ps(vsum, e);
+        }
+        inv[r] = 1.f / _mm512_reduce_add_ps(vsum);
+      }
+      for (int64_t hh = 0; hh < nh; ++hh) {  // values, weighed in fp32
+        __m512 a[G][kV];
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < kV; ++c) a[g][c] = _mm512_setzero_ps();
+        for (int64_t blk = 0; blk < blocks; ++blk) {
+          const int64_t t0 = blk * block_size, n = std::min(block_size, len - t0);
+          const uint16_t* vb = v_cache + table[blk] * block_size * token_stride + (h0 + hh) * D;
+          for (int64_t i = 0; i < n; ++i) {
+            __m512 v[kV];
+            for (int c = 0; c < kV; ++c)
+              v[c] = tandem::load_bf16_x16(vb + i * token_stride + c * 16);
+            for (int g = 0; g < G; ++g) {
+              const __m512 p = _mm512_set1_ps(sc[(hh * G + g) * len + t0 + i]);
+              for (int c = 0; c < kV; ++c) a[g][c] = _mm512_fmadd_ps(p, v[c], a[g][c]);
+            }
+          }
+        }
+        uint16_t* ob = out + (b * num_heads + (h0 + hh) * G) * D;
+        for (int g = 0; g < G; ++g) {
+          const __m512 s = _mm512_set1_ps(inv[hh * G + g]);
+          for (int c = 0; c < kV; ++c)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(ob + g * D + c * 16),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a[g][c], s)));
+        }
+      }
+    }
+  });
+}
+
+template <int D>
+bool decode_bf16_for_group(int64_t group, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                           const int64_t* tables, const int64_t* lens, uint16_t* out, int64_t B,
+                           int64_t H, int64_t KVH, int64_t bs, int64_t width, float scale) {
+  switch (group) {
+#define TANDEM_GROUP(G) \
+    case G: decode_bf16<D, G>(q, k, v, tables, lens, out, B, H, KVH, bs, width, scale); return true;
+    TANDEM_GROUP(1) TANDEM_GROUP(2) TANDEM_GROUP(3) TANDEM_GROUP(4)
+    TANDEM_GROUP(5) TANDEM_GROUP(6) TANDEM_GROUP(7) TANDEM_GROUP(8)
+#undef TANDEM_GROUP
+    default: return false;
+  }
+}
+
+// Runs the bf16 path when it takes this shape; false leaves the call to the generic kernel.
+bool try_decode_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
+                     const torch::Tensor& v_cache, const torch::Tensor& tables,
+                     const torch::Tensor& lens, torch::Tensor& out, float scale) {
+  if (q.scalar_type() != torch::kBFloat16) return false;
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2), group = H / KVH;
+  auto u16 = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+  const auto* tp = tables.data_ptr<int64_t>();
+  const auto* lp = lens.data_ptr<int64_t>();
+  if (D == 64)
+    return decode_bf16_for_group<64>(group, u16(q), u16(k_cache), u16(v_cache), tp, lp, u16(out),
+                                     B, H, KVH, bs, tables.size(1), scale);
+  if (D == 128)
+    return decode_bf16_for_group<128>(group, u16(q), u16(k_cache), u16(v_cache), tp, lp,
+                                      u16(out), B, H, KVH, bs, tables.size(1), scale);
+  return false;
+}
+#endif
+
 }  // namespace
 
 // q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]; tables: [B, W] int64;
@@ -125,6 +254,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
     TORCH_CHECK(len >= 1 && len <= tables.size(1) * bs, "sequence ", b, " has length ", len,
                 ", outside 1..", tables.size(1) * bs, " (its block table)");
   }
+#if defined(__AVX512BF16__)
+  if (try_decode_bf16(q, k_cache, v_cache, tables, lens, out, static_cast<float>(scale)))
+    return out;
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     auto run = [&](auto kernel) {
       kernel(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),

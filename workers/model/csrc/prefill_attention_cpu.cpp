@@ -19,6 +19,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu_math.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -28,30 +30,6 @@ constexpr int64_t kKeys = 32;  // keys per block of the packed layout
 constexpr int kRows = 8;       // query rows per tile
 
 #if defined(__AVX512BF16__)
-// exp(x) for x <= 0, 16 lanes: Cephes' expf (range reduction by ln 2, degree-6 polynomial),
-// as tandem::exp_nonpositive in cpu_math.h.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __mmask16 first_lanes(int64_t n) {  // lanes [0, n) of 16, n clamped to [0, 16]
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF)
-                 : static_cast<__mmask16>(n <= 0 ? 0 : (1u << n) - 1);
-}
-
 // Copies one KV head's first `len` keys and values out of the paged cache into the packed
 // layouts (zeros past `len`, so padded keys score 0 and weigh nothing).
 void pack_head(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
@@ -76,7 +54,7 @@ void pack_head(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* 
 // One tile: up to kRows query rows of head h at positions p0 .. p0 + rows - 1 (absolute
 // position offset + p), against the key blocks they see.
 template <int D>
-void tile(const uint16_t* q, int64_t q_stride, int64_t h, int64_t p0, int rows, int64_t offset,
+void prefill_tile(const uint16_t* q, int64_t q_stride, int64_t h, int64_t p0, int rows, int64_t offset,
           const uint16_t* kp, const uint16_t* vp, float scale, uint16_t* out,
           int64_t out_stride) {
   constexpr int kVecs = D / 16;             // fp32 vectors per output row
@@ -114,7 +92,7 @@ void tile(const uint16_t* q, int64_t q_stride, int64_t h, int64_t p0, int rows, 
     }
     for (int m = 0; m < kRows; ++m) {
       const int64_t seen = last[m] - kb * kKeys + 1;  // keys of this block the row sees
-      const __mmask16 m0 = first_lanes(seen), m1 = first_lanes(seen - 16);
+      const __mmask16 m0 = tandem::first_lanes(seen), m1 = tandem::first_lanes(seen - 16);
       if (!m0) {  // the whole block lies after this row's position
         alpha[m] = 1.f;
         _mm512_storeu_si512(pb[m], _mm512_setzero_si512());
@@ -126,9 +104,9 @@ void tile(const uint16_t* q, int64_t q_stride, int64_t h, int64_t p0, int rows, 
           _mm512_max_ps(_mm512_mask_mov_ps(lo, m0, s0), _mm512_mask_mov_ps(lo, m1, s1)));
       const float new_max = std::max(mx[m], block_max);
       const __m512 vmax = _mm512_set1_ps(new_max);
-      const __m512 e0 = _mm512_maskz_mov_ps(m0, exp_nonpositive(_mm512_sub_ps(s0, vmax)));
-      const __m512 e1 = _mm512_maskz_mov_ps(m1, exp_nonpositive(_mm512_sub_ps(s1, vmax)));
-      alpha[m] = _mm512_cvtss_f32(exp_nonpositive(_mm512_set1_ps(mx[m] - new_max)));
+      const __m512 e0 = _mm512_maskz_mov_ps(m0, tandem::exp_nonpositive_x16(_mm512_sub_ps(s0, vmax)));
+      const __m512 e1 = _mm512_maskz_mov_ps(m1, tandem::exp_nonpositive_x16(_mm512_sub_ps(s1, vmax)));
+      alpha[m] = _mm512_cvtss_f32(tandem::exp_nonpositive_x16(_mm512_set1_ps(mx[m] - new_max)));
       mx[m] = new_max;
       sum[m] = sum[m] * alpha[m] + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
       _mm512_storeu_si512(pb[m], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
@@ -187,7 +165,7 @@ void prefill(const uint16_t* q, int64_t q_stride, int64_t q_len, int64_t num_hea
       const int64_t t = z % 2 == 0 ? z / 2 : tiles - 1 - z / 2;
       const int64_t kvh = h / group;
       const int rows = static_cast<int>(std::min<int64_t>(kRows, q_len - t * kRows));
-      tile<D>(q, q_stride, h, t * kRows, rows, offset, kp + kvh * head_k, vp + kvh * head_k,
+      prefill_tile<D>(q, q_stride, h, t * kRows, rows, offset, kp + kvh * head_k, vp + kvh * head_k,
               scale, out, num_heads * D);
     }
   });
