@@ -40,6 +40,23 @@ def test_scatter_blocks_matches_index_copy_and_checks_ids(ops, dtype):
         ops.scatter_blocks(k, torch.tensor([40]), layer[0, :1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scatter_blocks_writes_a_steps_kv_rows_from_the_fused_qkv(ops, dtype):
+    """A step's new K rows, columns of the fused QKV output (strided rows), into their
+    cache slots: the same bytes as index_copy_; a slice that is not contiguous is refused."""
+    slots = torch.tensor([7, 0, 33, 12, 5])
+    qkv = torch.randn(5, 5 * 3 * 16).to(dtype)
+    k = qkv[:, 2 * 48 : 3 * 48].view(5, 3, 16)  # rows 240 apart
+    cache = torch.randn(40, 3, 16).to(dtype)
+    want = cache.clone().index_copy_(0, slots, k)
+    ops.scatter_blocks(cache, slots, k)
+    assert torch.equal(cache, want)
+    ops.scatter_blocks(cache, slots[:0], k[:0])  # no rows: nothing written, no error
+    assert torch.equal(cache, want)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.scatter_blocks(cache, slots, k.transpose(1, 2).contiguous().transpose(1, 2))
+
+
 @pytest.mark.parametrize("dtype, tol", TOLS)
 def test_norms(ops, dtype, tol):
     torch.manual_seed(0)
@@ -100,3 +117,22 @@ def test_model_on_kernels_equals_model_on_torch_ops(ops, tiny_model_dir):
     for a, b in zip(fused[0], plain[0]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     assert fused[1] == plain[1]
+
+
+def test_argmax_rows_equals_torch_argmax(ops):
+    """Greedy picks: the first index of each row's maximum, ties and NaN as torch has them."""
+    torch.manual_seed(0)
+    x = torch.randn(7, 49157)  # not a multiple of 16: the tail lanes count
+    x[1, 100] = x[1, 40000] = 50.0  # a tie: the first wins
+    x[2, -1] = 60.0  # the maximum in the tail
+    x[3, 5] = x[3, 9000] = float("nan")  # NaN is the maximum, the first one
+    x[4] = float("-inf")  # every token banned
+    x[5, 0] = 70.0
+    x[6] = 0.0
+    x[6, 3] = -0.0  # -0 == 0: the first zero
+    assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
+    wide = torch.randn(3, 2 * 1000)[:, :1000]  # strided rows
+    assert torch.equal(ops.argmax_rows(wide), wide.argmax(dim=-1))
+    assert torch.equal(ops.argmax_rows(x[:0]), x[:0].argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.argmax_rows(x.double())

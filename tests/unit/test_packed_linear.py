@@ -75,6 +75,9 @@ def test_bf16_kernel_rows_do_not_depend_on_the_batch_or_threads():
         assert torch.equal(layer(x), full)
     finally:
         torch.set_num_threads(threads)
+    # Logits come out in fp32, unrounded: the same sums the bf16 result rounds once.
+    sums = layer(x, float_out=True)
+    assert sums.dtype == torch.float32 and torch.equal(sums.to(torch.bfloat16), full)
     # Leading dimensions, strided rows and no rows at all are taken as F.linear takes them.
     assert layer(x[:0]).shape == (0, 960)
     assert torch.equal(layer(x[:6].view(2, 3, 576)), full[:6].view(2, 3, 960))

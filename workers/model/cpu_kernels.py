@@ -7,8 +7,9 @@ and cached (TORCH_EXTENSIONS_DIR, about 30 s once per machine):
 - `rms_norm`, `add_rms_norm`, `rotary_inplace`, `silu_and_mul`: the decoder layer's small
   ops, fused (csrc/layer_ops_cpu.cpp). A small model's decode step is mostly the dispatch of
   such ops, not their arithmetic.
-- `scatter_blocks`: a KV transfer's layer copied into its reserved blocks, a block at a time
-  (index_copy_ goes element by element).
+- `scatter_blocks`: a KV transfer's layer copied into its reserved blocks, a block at a time,
+  and a step's new K/V rows into their slots (index_copy_ goes element by element).
+- `argmax_rows`: greedy picks over the vocabulary (torch's argmax is ten times slower).
 - `pack_linear_bf16`, `linear_bf16`: bf16 linear layers on CPUs with AVX512-BF16
   (csrc/linear_bf16_cpu.cpp; `linear_bf16_supported` says whether this build has them).
 - `prefill_attention_bf16`: a bf16 prefill chunk's causal attention read off the paged cache,
@@ -43,6 +44,7 @@ _FUNCTIONS = [
     "rotary_inplace",
     "silu_and_mul",
     "scatter_blocks",
+    "argmax_rows",
     "linear_bf16_supported",
     "pack_linear_bf16",
     "linear_bf16",
@@ -103,7 +105,7 @@ def _build():
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(
-            name=f"tandem_cpu_kernels_v5_{_cpu_tag()}",
+            name=f"tandem_cpu_kernels_v8_{_cpu_tag()}",
             cpp_sources=[src.read_text() for src in _SOURCES],
             extra_include_paths=[str(_CSRC)],
             functions=_FUNCTIONS,

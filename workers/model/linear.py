@@ -37,18 +37,22 @@ class PackedLinear(nn.Linear):
     packed: torch.Tensor | None = None
     kernels = None  # set when `packed` is laid out for the bf16 kernel, not for oneDNN
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+        """float_out: the result in fp32 (logits); the bf16 kernel then hands back its fp32
+        sums, with no bf16 rounding and no cast."""
         if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        if self.kernels is not None:
+            out = F.linear(x, self.weight, self.bias)
+        elif self.kernels is not None:
             rows = x.reshape(-1, x.shape[-1])
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
-            out = self.kernels.linear_bf16(rows, self.packed)
+            out = self.kernels.linear_bf16(rows, self.packed, float_out)
             return out.view(*x.shape[:-1], out.shape[-1])
-        return torch.ops.mkldnn._linear_pointwise(
-            x.contiguous(), self.packed, self.bias, "none", [], ""
-        )
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), self.packed, self.bias, "none", [], ""
+            )
+        return out.float() if float_out else out
 
     def fits_bf16_kernel(self) -> bool:
         w = self.weight

@@ -134,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden, float_out=True)
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor], source: str) -> None:
         """Load HF-named tensors (`model.layers.N.self_attn.q_proj.weight`, ...), fusing

@@ -34,8 +34,9 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         group = q.shape[1] // num_kv_heads
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        write_kv = self.kernel.scatter_blocks if self.kernel is not None else _index_copy
+        write_kv(k_cache.view(-1, num_kv_heads, head_dim), meta.slot_mapping, k)
+        write_kv(v_cache.view(-1, num_kv_heads, head_dim), meta.slot_mapping, v)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
@@ -115,3 +116,7 @@ class TorchAttentionBackend(AttentionBackend):
             qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
         )
         return o[0].transpose(0, 1)
+
+
+def _index_copy(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    dst.index_copy_(0, index, src)

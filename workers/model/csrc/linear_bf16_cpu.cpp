@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -25,9 +26,10 @@ constexpr int64_t kBlockN = 32;  // outputs per packed block
 constexpr int64_t kTileM = 256;  // rows of x kept in cache while every weight block passes
 
 #if defined(__AVX512BF16__)
-template <int MB>
+// OutT: uint16_t (bf16 bits, rounded once) or float (the fp32 sums themselves).
+template <int MB, typename OutT>
 inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t k_pairs,
-                 uint16_t* out, int64_t out_stride) {
+                 OutT* out, int64_t out_stride) {
   __m512 acc[MB][2];
   for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < k_pairs; ++kp) {
@@ -41,13 +43,19 @@ inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t
     }
   }
   for (int m = 0; m < MB; ++m) {
-    auto* o = reinterpret_cast<__m256i*>(out + m * out_stride);
-    _mm256_storeu_si256(o, (__m256i)_mm512_cvtneps_pbh(acc[m][0]));
-    _mm256_storeu_si256(o + 1, (__m256i)_mm512_cvtneps_pbh(acc[m][1]));
+    if constexpr (std::is_same_v<OutT, float>) {
+      _mm512_storeu_ps(out + m * out_stride, acc[m][0]);
+      _mm512_storeu_ps(out + m * out_stride + 16, acc[m][1]);
+    } else {
+      auto* o = reinterpret_cast<__m256i*>(out + m * out_stride);
+      _mm256_storeu_si256(o, (__m256i)_mm512_cvtneps_pbh(acc[m][0]));
+      _mm256_storeu_si256(o + 1, (__m256i)_mm512_cvtneps_pbh(acc[m][1]));
+    }
   }
 }
 
-void rows(int mb, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t kp, uint16_t* o,
+template <typename OutT>
+void rows(int mb, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t kp, OutT* o,
           int64_t os) {
   switch (mb) {
     case 1: return tile<1>(x, xs, w, kp, o, os);
@@ -58,6 +66,21 @@ void rows(int mb, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t kp, 
     case 6: return tile<6>(x, xs, w, kp, o, os);
     case 7: return tile<7>(x, xs, w, kp, o, os);
     default: return tile<8>(x, xs, w, kp, o, os);
+  }
+}
+
+template <typename OutT>
+void linear(const uint16_t* xp, int64_t xs, int64_t M, const uint16_t* w, int64_t NB,
+            int64_t kp, OutT* o) {
+  const int64_t N = NB * kBlockN;
+  for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
+    const int64_t m1 = std::min(M, m0 + kTileM);
+    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t nb = b0; nb < b1; ++nb)
+        for (int64_t m = m0; m < m1; m += 8)
+          rows(static_cast<int>(std::min<int64_t>(8, m1 - m)), xp + m * xs, xs,
+               w + nb * kp * 2 * kBlockN, kp, o + m * N + nb * kBlockN, N);
+    });
   }
 }
 #endif
@@ -94,28 +117,22 @@ torch::Tensor pack_linear_bf16(torch::Tensor weight) {
   return packed;
 }
 
-// x: [M, K] bf16 with unit column stride; packed: from pack_linear_bf16. Returns [M, N].
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed) {
+// x: [M, K] bf16 with unit column stride; packed: from pack_linear_bf16. Returns [M, N],
+// bf16, or with float_out the fp32 sums unrounded (logits: no bf16 round trip, no cast).
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, bool float_out) {
 #if defined(__AVX512BF16__)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
               "x must be [M, K] bf16, rows contiguous");
   TORCH_CHECK(packed.dim() == 4 && packed.size(1) * 2 == x.size(1) && packed.is_contiguous(),
               "packed weight does not match x's ", x.size(1), " inputs");
   const int64_t M = x.size(0), NB = packed.size(0), N = NB * kBlockN, kp = x.size(1) / 2;
-  auto out = torch::empty({M, N}, x.options());
+  auto out = torch::empty({M, N}, x.options().dtype(float_out ? torch::kFloat : torch::kBFloat16));
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t xs = x.stride(0);
-  for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
-    const int64_t m1 = std::min(M, m0 + kTileM);
-    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t nb = b0; nb < b1; ++nb)
-        for (int64_t m = m0; m < m1; m += 8)
-          rows(static_cast<int>(std::min<int64_t>(8, m1 - m)), xp + m * xs, xs,
-               w + nb * kp * 2 * kBlockN, kp, o + m * N + nb * kBlockN, N);
-    });
-  }
+  if (float_out)
+    linear(xp, x.stride(0), M, w, NB, kp, out.data_ptr<float>());
+  else
+    linear(xp, x.stride(0), M, w, NB, kp, reinterpret_cast<uint16_t*>(out.data_ptr()));
   return out;
 #else
   TORCH_CHECK(false, "linear_bf16 needs a CPU with AVX512-BF16");
