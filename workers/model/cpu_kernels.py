@@ -51,7 +51,8 @@ _FUNCTIONS = [
     "prefill_attention_bf16_supported",
     "prefill_attention_bf16",
 ]
-# Vectorising the fp32 reductions needs reassociation; the kernels never see inf or NaN.
+# Vectorising the fp32 reductions needs reassociation. Infinities and NaN keep their meaning
+# (no -ffinite-math-only): argmax_rows sees banned tokens' -inf and must rank a NaN as torch does.
 _CFLAGS = [
     "-O3",
     "-march=native",
@@ -105,7 +106,7 @@ def _build():
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(
-            name=f"tandem_cpu_kernels_v8_{_cpu_tag()}",
+            name=f"tandem_cpu_kernels_v4_{_cpu_tag()}",
             cpp_sources=[src.read_text() for src in _SOURCES],
             extra_include_paths=[str(_CSRC)],
             functions=_FUNCTIONS,

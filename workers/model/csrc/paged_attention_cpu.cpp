@@ -122,7 +122,6 @@ void decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / items_per_seq, h0 = (item % items_per_seq) * nh, len = lens[b];
       const int64_t* table = tables + b * table_width;
-      const int64_t blocks = (len + block_size - 1) / block_size;
       const int64_t rows = nh * G, last = len - 1;
       scores.resize(rows * len);
       float* sc = scores.data();
@@ -132,20 +131,16 @@ void decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
         for (int g = 0; g < G; ++g)
           for (int c = 0; c < kC; ++c)
             qz[g][c] = (__m512bh)_mm512_loadu_si512(qb + g * D + c * 32);
-        for (int64_t blk = 0; blk < blocks; ++blk) {
-          const int64_t t0 = blk * block_size, n = std::min(block_size, len - t0);
-          const uint16_t* kb = k_cache + table[blk] * block_size * token_stride + (h0 + hh) * D;
-          for (int64_t i = 0; i < n; ++i) {
-            __m512bh k[kC];
-            for (int c = 0; c < kC; ++c)
-              k[c] = (__m512bh)_mm512_loadu_si512(kb + i * token_stride + c * 32);
-            for (int g = 0; g < G; ++g) {
-              __m512 s = _mm512_setzero_ps();
-              for (int c = 0; c < kC; ++c) s = _mm512_dpbf16_ps(s, qz[g][c], k[c]);
-              sc[(hh * G + g) * len + t0 + i] = _mm512_reduce_add_ps(s) * scale;
-            }
+        for_each_slot(table, len, block_size, [&](int64_t t, int64_t slot) {
+          const uint16_t* krow = k_cache + slot * token_stride + (h0 + hh) * D;
+          __m512bh k[kC];
+          for (int c = 0; c < kC; ++c) k[c] = (__m512bh)_mm512_loadu_si512(krow + c * 32);
+          for (int g = 0; g < G; ++g) {
+            __m512 s = _mm512_setzero_ps();
+            for (int c = 0; c < kC; ++c) s = _mm512_dpbf16_ps(s, qz[g][c], k[c]);
+            sc[(hh * G + g) * len + t] = _mm512_reduce_add_ps(s) * scale;
           }
-        }
+        });
       }
       std::vector<float> inv(rows);
       const __m512 lo = _mm512_set1_ps(-1e30f);
@@ -169,19 +164,15 @@ void decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
         __m512 a[G][kV];
         for (int g = 0; g < G; ++g)
           for (int c = 0; c < kV; ++c) a[g][c] = _mm512_setzero_ps();
-        for (int64_t blk = 0; blk < blocks; ++blk) {
-          const int64_t t0 = blk * block_size, n = std::min(block_size, len - t0);
-          const uint16_t* vb = v_cache + table[blk] * block_size * token_stride + (h0 + hh) * D;
-          for (int64_t i = 0; i < n; ++i) {
-            __m512 v[kV];
-            for (int c = 0; c < kV; ++c)
-              v[c] = tandem::load_bf16_x16(vb + i * token_stride + c * 16);
-            for (int g = 0; g < G; ++g) {
-              const __m512 p = _mm512_set1_ps(sc[(hh * G + g) * len + t0 + i]);
-              for (int c = 0; c < kV; ++c) a[g][c] = _mm512_fmadd_ps(p, v[c], a[g][c]);
-            }
+        for_each_slot(table, len, block_size, [&](int64_t t, int64_t slot) {
+          const uint16_t* vrow = v_cache + slot * token_stride + (h0 + hh) * D;
+          __m512 v[kV];
+          for (int c = 0; c < kV; ++c) v[c] = tandem::load_bf16_x16(vrow + c * 16);
+          for (int g = 0; g < G; ++g) {
+            const __m512 p = _mm512_set1_ps(sc[(hh * G + g) * len + t]);
+            for (int c = 0; c < kV; ++c) a[g][c] = _mm512_fmadd_ps(p, v[c], a[g][c]);
           }
-        }
+        });
         uint16_t* ob = out + (b * num_heads + (h0 + hh) * G) * D;
         for (int g = 0; g < G; ++g) {
           const __m512 s = _mm512_set1_ps(inv[hh * G + g]);
