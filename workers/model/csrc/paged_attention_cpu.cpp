@@ -148,13 +148,14 @@ void decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
         float* sr = sc + r * len;
         __m512 vmax = lo;
         for (int64_t t = 0; t <= last; t += 16)
-          vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(lo, tandem::first_lanes(len - t), sr + t));
+          vmax = _mm512_max_ps(
+              vmax, _mm512_mask_loadu_ps(lo, tandem::first_lanes(len - t), sr + t));
         const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
         __m512 vsum = _mm512_setzero_ps();
         for (int64_t t = 0; t <= last; t += 16) {
           const __mmask16 m = tandem::first_lanes(len - t);
-          const __m512 e = _mm512_maskz_mov_ps(
-              m, tandem::exp_nonpositive_x16(_mm512_sub_ps(_mm512_mask_loadu_ps(lo, m, sr + t), mx)));
+          const __m512 x = _mm512_sub_ps(_mm512_mask_loadu_ps(lo, m, sr + t), mx);
+          const __m512 e = _mm512_maskz_mov_ps(m, tandem::exp_nonpositive_x16(x));
           _mm512_mask_storeu_ps(sr + t, m, e);
           vsum = _mm512_add_ps(vsum, e);
         }

@@ -12,7 +12,8 @@
 // output, and the probabilities, rounded to bf16 as GPU flash attention rounds them, weigh the
 // values. Blocks past a tile's last position are never read; only the diagonal block is masked.
 //
-// Every output row is computed alone, in the same order, whatever the thread count.
+// Every output row is computed alone, in the same order, whatever the thread count or the
+// chunking of its prompt.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -30,8 +31,8 @@ constexpr int64_t kKeys = 32;  // keys per block of the packed layout
 constexpr int kRows = 8;       // query rows per tile
 
 #if defined(__AVX512BF16__)
-// Copies one KV head's first `len` keys and values out of the paged cache into the packed
-// layouts (zeros past `len`, so padded keys score 0 and weigh nothing).
+// Copies keys and values kb * 32 .. kb * 32 + 31 of one KV head out of the paged cache into
+// the packed layouts (zeros from `len` on, so padded keys score 0 and weigh nothing).
 void pack_head(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
                int64_t block_size, int64_t num_kv_heads, int64_t kvh, int64_t D, int64_t len,
                int64_t kb, uint16_t* kp, uint16_t* vp) {
@@ -54,9 +55,9 @@ void pack_head(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* 
 // One tile: up to kRows query rows of head h at positions p0 .. p0 + rows - 1 (absolute
 // position offset + p), against the key blocks they see.
 template <int D>
-void prefill_tile(const uint16_t* q, int64_t q_stride, int64_t h, int64_t p0, int rows, int64_t offset,
-          const uint16_t* kp, const uint16_t* vp, float scale, uint16_t* out,
-          int64_t out_stride) {
+void prefill_tile(const uint16_t* q, int64_t q_stride, int64_t h, int64_t p0, int rows,
+                  int64_t offset, const uint16_t* kp, const uint16_t* vp, float scale,
+                  uint16_t* out, int64_t out_stride) {
   constexpr int kVecs = D / 16;             // fp32 vectors per output row
   constexpr int kPassRows = 16 / kVecs;     // output rows whose accumulators fit at once
   const uint16_t* qrow[kRows];
@@ -104,8 +105,10 @@ void prefill_tile(const uint16_t* q, int64_t q_stride, int64_t h, int64_t p0, in
           _mm512_max_ps(_mm512_mask_mov_ps(lo, m0, s0), _mm512_mask_mov_ps(lo, m1, s1)));
       const float new_max = std::max(mx[m], block_max);
       const __m512 vmax = _mm512_set1_ps(new_max);
-      const __m512 e0 = _mm512_maskz_mov_ps(m0, tandem::exp_nonpositive_x16(_mm512_sub_ps(s0, vmax)));
-      const __m512 e1 = _mm512_maskz_mov_ps(m1, tandem::exp_nonpositive_x16(_mm512_sub_ps(s1, vmax)));
+      const __m512 e0 =
+          _mm512_maskz_mov_ps(m0, tandem::exp_nonpositive_x16(_mm512_sub_ps(s0, vmax)));
+      const __m512 e1 =
+          _mm512_maskz_mov_ps(m1, tandem::exp_nonpositive_x16(_mm512_sub_ps(s1, vmax)));
       alpha[m] = _mm512_cvtss_f32(tandem::exp_nonpositive_x16(_mm512_set1_ps(mx[m] - new_max)));
       mx[m] = new_max;
       sum[m] = sum[m] * alpha[m] + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
@@ -136,9 +139,10 @@ void prefill_tile(const uint16_t* q, int64_t q_stride, int64_t h, int64_t p0, in
   for (int m = 0; m < rows; ++m) {
     const __m512 inv = _mm512_set1_ps(1.f / sum[m]);
     auto* dst = reinterpret_cast<__m256i*>(out + (p0 + m) * out_stride + h * D);
-    for (int c = 0; c < kVecs; ++c)
-      _mm256_storeu_si256(dst + c,
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o[m] + c * 16), inv)));
+    for (int c = 0; c < kVecs; ++c) {
+      const __m512 v = _mm512_mul_ps(_mm512_load_ps(o[m] + c * 16), inv);
+      _mm256_storeu_si256(dst + c, (__m256i)_mm512_cvtneps_pbh(v));
+    }
   }
 }
 
