@@ -184,7 +184,8 @@ def _prefill_kernel_backend():
 
     backend = TorchAttentionBackend(torch.device("cpu"))
     probe = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
-    if not backend._prefill_kernel(probe, torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16)):
+    cache = torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16)
+    if not backend._prefill_kernel(probe, cache, cache, torch.zeros(1, dtype=torch.long)):
         pytest.skip("no bf16 prefill kernel here (no compiler or no AVX512-BF16)")
     return backend
 
@@ -240,6 +241,10 @@ def test_prefill_kernel_rows_do_not_depend_on_chunking_or_threads():
         assert torch.equal(backend._prefill(q, k_all, v_all, k_cache, v_cache, whole, 0.125), full)
     finally:
         torch.set_num_threads(threads)
+    bad = whole.block_table.clone()
+    bad[-1] = k_cache.shape[0]  # one past the cache: refused, not read
+    with pytest.raises(RuntimeError, match="out of range"):
+        backend.kernel.prefill_attention_bf16(q, k_cache, v_cache, bad, 203, 0.125)
 
 
 def test_min_tokens_holds_back_eos_and_stop_strings(tiny_llama_dir):

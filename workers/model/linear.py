@@ -39,7 +39,8 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
         """float_out: the result in fp32 (logits); the bf16 kernel then hands back its fp32
-        sums, with no bf16 rounding and no cast."""
+        sums, with no bf16 rounding and no cast. The other paths round to bf16 first, so a
+        near-tie between two tokens may fall differently on a CPU without AVX512-BF16."""
         if self.packed is None:
             out = F.linear(x, self.weight, self.bias)
         elif self.kernels is not None:

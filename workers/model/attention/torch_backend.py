@@ -46,12 +46,18 @@ class TorchAttentionBackend(AttentionBackend):
             out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, p, scale)
         return out
 
-    def _prefill_kernel(self, q, k_cache) -> bool:
-        """Whether this chunk takes the compiled bf16 prefill kernel (AVX512-BF16)."""
+    def _prefill_kernel(self, q, k_cache, v_cache, block_table) -> bool:
+        """Whether this chunk takes the compiled bf16 prefill kernel (AVX512-BF16): what it
+        checks, checked here, so that anything else takes the SDPA paths rather than fail."""
         return (
             self.kernel is not None
-            and q.dtype == torch.bfloat16
+            and q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+            and q.stride(-1) == 1
+            and q.stride(-2) == q.shape[-1]
             and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+            and block_table.dtype == torch.long
+            and block_table.is_contiguous()
             and self.kernel.prefill_attention_bf16_supported(q.shape[-1])
         )
 
@@ -79,7 +85,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillSlice, scale: float):
         kvh, d = k.shape[1], k.shape[2]
-        if self._prefill_kernel(q, k_cache):
+        if self._prefill_kernel(q, k_cache, v_cache, p.block_table):
             return self.kernel.prefill_attention_bf16(
                 q, k_cache, v_cache, p.block_table, p.ctx_len, scale
             )

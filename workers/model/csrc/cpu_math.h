@@ -38,11 +38,18 @@ inline float silu(float x) {
   return x >= 0.f ? x / (1.f + e) : x * e / (1.f + e);
 }
 
+// Two adjacent bf16 values (raw bits) as one 32-bit word, for a vdpbf16ps broadcast.
+inline int32_t bf16_pair(const uint16_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return bits;
+}
+
 #if defined(__AVX512F__)
 // exp(x) for x <= 0, 16 lanes: Cephes' expf (range reduction by ln 2, degree-6 polynomial),
 // as exp_nonpositive above.
 inline __m512 exp_nonpositive_x16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);  // a NaN x is the second operand: kept
   const __m512 n = _mm512_roundscale_ps(
       _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
       _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);

@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cpu_math.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -37,7 +39,7 @@ inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* w, int64_t
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kp * 2 * kBlockN + kBlockN);
     for (int m = 0; m < MB; ++m) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(
-          *reinterpret_cast<const int32_t*>(x + m * x_stride + 2 * kp));
+          tandem::bf16_pair(x + m * x_stride + 2 * kp));
       acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, w0);
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, w1);
     }

@@ -86,7 +86,7 @@ void prefill_tile(const uint16_t* q, int64_t q_stride, int64_t h, int64_t p0, in
       const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kblk + dp * kKeys * 2 + kKeys);
       for (int m = 0; m < kRows; ++m) {
         const __m512bh a = (__m512bh)_mm512_set1_epi32(
-            *reinterpret_cast<const int32_t*>(qrow[m] + 2 * dp));
+            tandem::bf16_pair(qrow[m] + 2 * dp));
         s[m][0] = _mm512_dpbf16_ps(s[m][0], a, k0);
         s[m][1] = _mm512_dpbf16_ps(s[m][1], a, k1);
       }
@@ -128,7 +128,7 @@ void prefill_tile(const uint16_t* q, int64_t q_stride, int64_t h, int64_t p0, in
           v[c] = (__m512bh)_mm512_loadu_si512(vblk + (jp * D + c * 16) * 2);
         for (int r = 0; r < kPassRows; ++r) {
           const __m512bh a = (__m512bh)_mm512_set1_epi32(
-              *reinterpret_cast<const int32_t*>(pb[m0 + r] + 2 * jp));
+              tandem::bf16_pair(pb[m0 + r] + 2 * jp));
           for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, v[c]);
         }
       }
@@ -209,6 +209,10 @@ torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k_cache, tor
                   block_table.numel() * block_size >= ctx_len,
               "ctx_len ", ctx_len, " does not fit q_len ", q_len, " or the block table");
   TORCH_CHECK(prefill_attention_bf16_supported(D), "head_dim ", D, " is not supported");
+  const auto* table = block_table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < (ctx_len + block_size - 1) / block_size; ++i)
+    TORCH_CHECK(table[i] >= 0 && table[i] < k_cache.size(0), "block id ", table[i],
+                " out of range");
   const int64_t key_blocks = (ctx_len + kKeys - 1) / kKeys;
   auto out = torch::empty({q_len, H, D}, q.options());
   auto kp = torch::empty({KVH * key_blocks * kKeys * D}, q.options());
@@ -217,7 +221,6 @@ torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k_cache, tor
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   auto* kpp = reinterpret_cast<uint16_t*>(kp.data_ptr());
   auto* vpp = reinterpret_cast<uint16_t*>(vp.data_ptr());
-  const auto* table = block_table.data_ptr<int64_t>();
   if (D == 64)
     prefill<64>(u16(q), q.stride(0), q_len, H, u16(k_cache), u16(v_cache), block_size, KVH,
                 table, ctx_len, static_cast<float>(scale), o, kpp, vpp, key_blocks);
