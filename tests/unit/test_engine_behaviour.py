@@ -135,14 +135,16 @@ def test_cpu_decode_kernel_matches_sdpa(tiny_llama_dir, dtype="float32"):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("d", [16, 64, 128])  # the generic kernel and both fixed head sizes
 @pytest.mark.parametrize("batch", [2, 9])  # one KV head per work item, and all heads per item
-def test_kernel_numerics_against_a_dense_reference(dtype, tol, d, batch):
+@pytest.mark.parametrize("group", [3, 9])  # 9 query heads a KV head: past the bf16 path's 8
+def test_kernel_numerics_against_a_dense_reference(dtype, tol, d, batch, group):
     from workers.model.cpu_kernels import cpu_kernels
 
     kernel = cpu_kernels()
     if kernel is None:
         pytest.skip("no C++ compiler: the kernel could not be built")
     torch.manual_seed(0)
-    blocks, bs, kvh, heads, width = 64, 4, 2, 6, 5
+    blocks, bs, kvh, width = 64, 4, 2, 5
+    heads = kvh * group
     k_cache = torch.randn(blocks, bs, kvh, d).to(dtype)
     v_cache = torch.randn(blocks, bs, kvh, d).to(dtype)
     tables = torch.stack([torch.randperm(blocks)[:width] for _ in range(batch)])
@@ -151,8 +153,8 @@ def test_kernel_numerics_against_a_dense_reference(dtype, tol, d, batch):
     out = kernel.paged_decode_attention(q, k_cache, v_cache, tables, lens, d**-0.5)
     assert out.dtype == dtype
     for b in range(batch):
-        keys = k_cache[tables[b]].reshape(-1, kvh, d)[: lens[b]].repeat_interleave(3, dim=1)
-        vals = v_cache[tables[b]].reshape(-1, kvh, d)[: lens[b]].repeat_interleave(3, dim=1)
+        keys = k_cache[tables[b]].reshape(-1, kvh, d)[: lens[b]].repeat_interleave(group, dim=1)
+        vals = v_cache[tables[b]].reshape(-1, kvh, d)[: lens[b]].repeat_interleave(group, dim=1)
         w = torch.einsum("hd,lhd->hl", q[b].float(), keys.float()).mul(d**-0.5).softmax(-1)
         want = torch.einsum("hl,lhd->hd", w, vals.float())
         torch.testing.assert_close(out[b].float(), want, atol=tol, rtol=tol)

@@ -35,6 +35,10 @@ def test_packed_products_equal_dense(dtype, bias):
         want = F.linear(x, weight, b).float()
         assert got.shape == (rows, 160)
         assert torch.allclose(got, want, rtol=tol, atol=tol), (rows, (got - want).abs().max())
+        logits = layer(x, float_out=True)  # fp32: the kernel's sums, or oneDNN's cast
+        assert logits.dtype == torch.float32
+        rounded = logits.to(dtype).float() if layer.kernels else logits
+        assert torch.equal(rounded, layer(x).float())
     # A non-contiguous input (a slice of a wider row) is handled, not misread.
     wide = torch.randn(5, 192).to(dtype)
     assert torch.allclose(
