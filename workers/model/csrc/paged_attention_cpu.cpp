@@ -28,6 +28,12 @@ inline void for_each_slot(const int64_t* table, int64_t len, int64_t block_size,
   }
 }
 
+// KV heads in one work item: all of a sequence's when the batch alone keeps every thread busy,
+// one otherwise.
+inline int64_t kv_heads_per_item(int64_t batch, int64_t num_kv_heads) {
+  return batch >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+}
+
 // D_FIXED is the head dimension when known at compile time (the inner loops then unroll and
 // vectorise without remainders), 0 for any other size.
 //
@@ -42,7 +48,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
   const int64_t D = D_FIXED ? D_FIXED : head_dim_;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;  // between slots of the cache
-  const int64_t heads_per_item = batch >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t heads_per_item = kv_heads_per_item(batch, num_kv_heads);
   const int64_t items_per_seq = num_kv_heads / heads_per_item;
   at::parallel_for(0, batch * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     const int64_t rows = heads_per_item * group;  // query heads of one item
@@ -115,10 +121,10 @@ void decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
   const int64_t token_stride = num_kv_heads * D;
   // As in decode_kernel: every KV head of a sequence in one item when the batch alone keeps
   // the threads busy, one head each otherwise.
-  const int64_t nh = batch >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t nh = kv_heads_per_item(batch, num_kv_heads);
   const int64_t items_per_seq = num_kv_heads / nh;
   at::parallel_for(0, batch * items_per_seq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, inv;  // reused across the thread's items
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / items_per_seq, h0 = (item % items_per_seq) * nh, len = lens[b];
       const int64_t* table = tables + b * table_width;
@@ -142,7 +148,7 @@ void decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
           }
         });
       }
-      std::vector<float> inv(rows);
+      inv.resize(rows);
       const __m512 lo = _mm512_set1_ps(-1e30f);
       for (int64_t r = 0; r < rows; ++r) {
         float* sr = sc + r * len;
