@@ -6,13 +6,19 @@ bytes, and what it adds to a prefill once the prefill's compute is over.
 
 Part `wire`: two processes on loopback, each with one thread, joined by a gloo pair group
 exactly as a prefill and a decode worker are (TCPStore rendezvous, PairGroup). For each prompt
-length, the KV of SmolLM2-135M's layout is moved three ways, same bytes each time:
-- raw: one contiguous tensor sent with the group's send/recv, then a 1-element ack back;
-- handoff (wire): Tandem's protocol (header, one tensor per layer, trailer, ack), tensors
-  prepared;
-- handoff (end to end): plus the sender's gather of each layer's blocks out of its paged
-  cache (into reused buffers, while earlier layers are on the wire) and the receiver's
-  scatter of each layer into the reserved blocks as it lands, as the workers run them.
+length, the KV of SmolLM2-135M's layout is moved between two paged caches, same bytes each
+time:
+- raw: one contiguous tensor sent with the group's send/recv, then a 1-element ack back. Two
+  ways: the same buffer every time (hot: it stays in this CPU's 32 MB L3 up to 1k tokens),
+  and a buffer taken in turn from four (cold, as a cache's blocks are when they are sent);
+- handoff, blocks in runs: Tandem's protocol (header, placement and cut, the layers, trailer,
+  ack) between blocks that are consecutive in both caches, as a fresh cache hands them out:
+  every layer moves straight from cache to cache;
+- handoff, churned cache: both sides' blocks allocated by the engine's BlockPool after a
+  simulated serving history (prompts of random length, decodes growing one block at a time,
+  requests ending in random order); segments that are not one run on a side are staged there;
+- handoff, scattered: every block apart on both sides (a random permutation), so each layer
+  is gathered into a staging buffer on the sender and scattered out of one on the receiver.
 Median of --iters per cell; bandwidth is bytes / median seconds.
 
 Part `prefill`: real Ray actors, a prefill and a decode worker with the default model (one
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -41,11 +48,12 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from benchmarks.common import RESULTS, print_table  # noqa: E402
-from kv_transfer.channel import StagingBuffers, recv_kv, send_kv  # noqa: E402
+from kv_transfer.channel import PagedBlocks, StagingBuffers, recv_kv, send_kv  # noqa: E402
 from kv_transfer.layout import KVLayout  # noqa: E402
 from kv_transfer.protocol import TransferDescriptor  # noqa: E402
 from kv_transfer.torch_dist import PairGroup, store_client, store_server  # noqa: E402
-from workers.engine.model_runner import allocate_kv_cache, gather_layer, scatter_layer  # noqa: E402
+from workers.engine.block_pool import BlockPool  # noqa: E402
+from workers.engine.model_runner import allocate_kv_cache  # noqa: E402
 from workers.model.cpu_kernels import cpu_kernels  # noqa: E402
 
 CACHE_BLOCKS = 1024
@@ -63,6 +71,35 @@ def make_cache(layout: KVLayout):
     return cache
 
 
+def churned_blocks(n_blocks: int, seed: int) -> list[int]:
+    """`n_blocks` as the engine's BlockPool hands them out after a serving history: requests
+    with prompts of 1-64 blocks arrive while others decode (each growing a block at a time,
+    interleaved) and end in random order, until the pool has turned over several times."""
+    rng = random.Random(seed)
+    pool = BlockPool(CACHE_BLOCKS, 16)
+    live: list[list[int]] = []
+    allocated = 0
+    while allocated < 8 * CACHE_BLOCKS:
+        if live and (rng.random() < 0.3 or pool.num_free_blocks < CACHE_BLOCKS // 2):
+            pool.free(live.pop(rng.randrange(len(live))))
+            continue
+        prompt = rng.randint(1, 64)
+        if pool.can_allocate(prompt):
+            live.append(pool.allocate(prompt))
+            allocated += prompt
+        for table in live:  # a decode step's growth, for some of them
+            if rng.random() < 0.25 and pool.can_allocate(1):
+                table += pool.allocate(1)
+                allocated += 1
+    while pool.num_free_blocks < n_blocks:
+        pool.free(live.pop(rng.randrange(len(live))))
+    return pool.allocate(n_blocks)
+
+
+RAW = ("raw", "raw_cold")
+CASES = ("runs", "churned", "scattered")
+
+
 def wire_worker(rank: int, port_file: str, args: dict, out: str) -> None:
     torch.set_num_threads(1)
     layout = layout_for(args["dtype"])
@@ -77,63 +114,62 @@ def wire_worker(rank: int, port_file: str, args: dict, out: str) -> None:
         store = store_client("127.0.0.1", int(Path(port_file).read_text()), 30)
     group = PairGroup(store, "bench/1", rank, torch.device("cpu"), "127.0.0.1", 60)
     cache = make_cache(layout)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(rank)
     results = []
     for length in args["lengths"]:
         n_blocks = -(-length // layout.block_size)
-        # Scattered blocks, as a cache that has served a while holds them.
-        blocks = torch.randperm(CACHE_BLOCKS, generator=gen)[:n_blocks].tolist()
         nbytes = layout.bytes_per_block * n_blocks
-        raw = torch.zeros(nbytes // layout.torch_dtype.itemsize, dtype=layout.torch_dtype)
+        blocks = {
+            "runs": list(range(100, 100 + n_blocks)),
+            "churned": churned_blocks(n_blocks, seed=length * 2 + rank),
+            "scattered": torch.randperm(CACHE_BLOCKS, generator=gen)[:n_blocks].tolist(),
+        }
+        raws = torch.randn(4, nbytes // layout.torch_dtype.itemsize).to(layout.torch_dtype)
         ack = torch.zeros(1, dtype=torch.int64)
         desc = TransferDescriptor(f"req-{length}", layout, n_blocks, length)
-        prepared = [gather_layer(cache[j], blocks) for j in range(layout.num_layers)]
-        staging, send_staging = StagingBuffers(), StagingBuffers()
-        timings = {"raw": [], "wire": [], "end_to_end": []}
+        staging = StagingBuffers()
+        timings = {k: [] for k in (*RAW, *CASES)}
+        plans = {}
         for i in range(args["iters"] + 1):  # the first round warms up
-            # raw
-            group.send([ack], 60) if rank == 0 else group.recv([ack], 60)  # line up both sides
-            t = time.perf_counter()
-            if rank == 0:
-                group.send([raw], 60)
-                group.recv([ack], 60)
-            else:
-                group.recv([raw], 60)
-                group.send([ack], 60)
-            dt_raw = time.perf_counter() - t
-            # handoff, wire only
-            group.send([ack], 60) if rank == 0 else group.recv([ack], 60)
-            t = time.perf_counter()
-            if rank == 0:
-                send_kv(group, desc, prepared, 60)
-            else:
-                recv_kv(group, layout, 60, staging=staging)
-            dt_wire = time.perf_counter() - t
-            # handoff, end to end
-            group.send([ack], 60) if rank == 0 else group.recv([ack], 60)
-            t = time.perf_counter()
-            if rank == 0:  # gather each layer while the previous ones are on the wire
-                bufs = send_staging.get(layout, n_blocks, "cpu")
-                layers = (gather_layer(cache[j], blocks, buf) for j, buf in enumerate(bufs))
-                send_kv(group, desc, layers, 60)
-            else:  # scatter each layer into the cache as it lands
-                recv_kv(
-                    group,
-                    layout,
-                    60,
-                    staging=staging,
-                    on_layer=lambda j, t, b=blocks: scatter_layer(cache[j], b, t, ops),
-                )
-            dt_e2e = time.perf_counter() - t
-            if i:
-                timings["raw"].append(dt_raw)
-                timings["wire"].append(dt_wire)
-                timings["end_to_end"].append(dt_e2e)
+            for raw_case, raw in (("raw", raws[0]), ("raw_cold", raws[1 + i % 3])):
+                group.send([ack], 60) if rank == 0 else group.recv([ack], 60)  # line up
+                t = time.perf_counter()
+                if rank == 0:
+                    group.send([raw], 60)
+                    group.recv([ack], 60)
+                else:
+                    group.recv([raw], 60)
+                    group.send([ack], 60)
+                if i:
+                    timings[raw_case].append(time.perf_counter() - t)
+            for case in CASES:
+                scatter = ops.scatter_blocks if ops is not None else None
+                side = PagedBlocks(blocks[case], cache.__getitem__, scatter)
+                group.send([ack], 60) if rank == 0 else group.recv([ack], 60)
+                t = time.perf_counter()
+                if rank == 0:
+                    plans[case] = send_kv(group, desc, side, 60, staging=staging)
+                else:
+                    recv_kv(group, layout, 60, target=lambda d, s=side: s, staging=staging)
+                if i:
+                    timings[case].append(time.perf_counter() - t)
         results.append(
             {
                 "prompt_tokens": length,
                 "bytes": nbytes,
                 **{k: statistics.median(v) for k, v in timings.items()},
+                **(
+                    {
+                        f"{c}_plan": {
+                            "segments": list(p.segments),
+                            "staged_send_blocks": p.staged_send,
+                            "staged_recv_blocks": p.staged_recv,
+                        }
+                        for c, p in plans.items()
+                    }
+                    if rank == 0
+                    else {}
+                ),
             }
         )
     if rank == 0:
@@ -156,36 +192,36 @@ def run_wire(args) -> list[dict]:
     Path(tmp).unlink()
     table = []
     for r in rows:
-        gbps = {k: r["bytes"] / r[k] / 1e9 for k in ("raw", "wire", "end_to_end")}
-        r.update({f"{k}_GBps": v for k, v in gbps.items()})
-        r["wire_vs_raw"] = gbps["wire"] / gbps["raw"]
-        r["end_to_end_vs_raw"] = gbps["end_to_end"] / gbps["raw"]
+        for k in (*RAW, *CASES):
+            r[f"{k}_GBps"] = r["bytes"] / r[k] / 1e9
+        for c in CASES:
+            r[f"{c}_vs_raw"] = r[f"{c}_GBps"] / r["raw_GBps"]
+            r[f"{c}_vs_raw_cold"] = r[f"{c}_GBps"] / r["raw_cold_GBps"]
+        churned = r["churned_plan"]
         table.append(
             [
                 r["prompt_tokens"],
                 f"{r['bytes'] / 2**20:.1f}",
-                f"{r['raw'] * 1e3:.2f}",
-                f"{r['wire'] * 1e3:.2f}",
-                f"{r['end_to_end'] * 1e3:.2f}",
-                f"{gbps['raw']:.2f}",
-                f"{gbps['wire']:.2f}",
-                f"{gbps['end_to_end']:.2f}",
-                f"{r['wire_vs_raw']:.0%}",
-                f"{r['end_to_end_vs_raw']:.0%}",
+                *(f"{r[c] * 1e3:.2f}" for c in (*RAW, *CASES)),
+                *(f"{r[f'{c}_vs_raw']:.0%} / {r[f'{c}_vs_raw_cold']:.0%}" for c in CASES),
+                f"{len(churned['segments'])} / "
+                f"{churned['staged_send_blocks']}+{churned['staged_recv_blocks']} "
+                f"of {sum(churned['segments'])}",
             ]
         )
     print_table(
         [
             "prompt",
             "MiB",
-            "raw ms",
-            "wire ms",
-            "e2e ms",
-            "raw GB/s",
-            "wire GB/s",
-            "e2e GB/s",
-            "wire/raw",
-            "e2e/raw",
+            "raw ms (hot)",
+            "raw ms (cold)",
+            "runs ms",
+            "churned ms",
+            "scattered ms",
+            "runs / raw (hot / cold)",
+            "churned / raw",
+            "scattered / raw",
+            "churned: segments / staged blocks",
         ],
         table,
     )
@@ -306,9 +342,11 @@ def plot(rows, path: Path, dtype: str) -> None:
     xs = [r["prompt_tokens"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for key, label in (
-        ("raw_GBps", "raw send/recv"),
-        ("wire_GBps", "handoff (wire)"),
-        ("end_to_end_GBps", "handoff (with export/import)"),
+        ("raw_GBps", "raw send/recv, hot buffer"),
+        ("raw_cold_GBps", "raw send/recv, cold buffer"),
+        ("runs_GBps", "handoff, blocks in runs"),
+        ("churned_GBps", "handoff, churned cache"),
+        ("scattered_GBps", "handoff, scattered blocks"),
     ):
         ax.plot(xs, [r[key] for r in rows], marker="o", label=label)
     ax.set_xscale("log", base=2)

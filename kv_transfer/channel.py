@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -22,7 +23,11 @@ from kv_transfer.protocol import (
     TransferAborted,
     TransferDescriptor,
     TransferError,
+    decode_runs,
     empty_header,
+    encode_runs,
+    plan_segments,
+    runs,
     trailer,
 )
 
@@ -56,7 +61,7 @@ class KVChannel(ABC):
 
 
 class StagingBuffers:
-    """Reusable receive buffers, one per layer, grown on demand: allocating (and faulting in)
+    """Reusable staging buffers, one per layer, grown on demand: allocating (and faulting in)
     fresh memory for every transfer costs more than the transfer itself."""
 
     def __init__(self) -> None:
@@ -79,25 +84,111 @@ class StagingBuffers:
         return [f[:numel].view(shape) for f in self._flat]
 
 
+@dataclass
+class PagedBlocks:
+    """One side's blocks for a transfer: their ids, in the order of the request's positions,
+    and `layer(i)`, that layer's `(K, V)` caches, each `[cache_blocks, block_size, kv_heads,
+    head_dim]`. On the sender `layer(i)` may block until the model has written layer i. On
+    the receiver, `scatter(cache, ids, rows)` writes staged rows into their blocks."""
+
+    block_ids: list[int]
+    layer: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    scatter: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """How a transfer was cut: segment lengths, and the blocks staged on each side."""
+
+    segments: tuple[int, ...]
+    staged_send: int
+    staged_recv: int
+
+
+class _Placed:
+    """The segments on one side: each is either one run of that side's cache (moved in
+    place) or staged at its offset in the layer's staging buffer."""
+
+    def __init__(self, block_ids: list[int] | None, segments: list[int], device) -> None:
+        self.parts: list[tuple[int, int, int | None, torch.Tensor | None]] = []
+        offset = 0
+        for n in segments:
+            ids = block_ids[offset : offset + n] if block_ids is not None else None
+            if ids is not None and runs(ids) == [n]:
+                self.parts.append((offset, n, ids[0], None))
+            else:
+                index = None
+                if ids is not None:
+                    index = torch.tensor(ids, dtype=torch.long, device=device)
+                self.parts.append((offset, n, None, index))
+            offset += n
+        self.staged = sum(n for _, n, start, _ in self.parts if start is None)
+
+    def tensors(self, kv, buf: torch.Tensor | None):
+        """Per segment, `(K, V, index)`: views of the cache for a run (index None), or of
+        the staging buffer with the cache block ids they belong at."""
+        k, v = kv
+        for offset, n, start, index in self.parts:
+            if start is not None:
+                yield k[start : start + n], v[start : start + n], None
+            else:
+                yield buf[0, offset : offset + n], buf[1, offset : offset + n], index
+
+
+def _staged_in(runs_: list[int], segments: list[int]) -> int:
+    """Blocks of the segments that do not lie within one of these runs."""
+    edges, edge = set(), 0
+    for r in runs_:
+        edge += r
+        edges.add(edge)
+    staged, offset = 0, 0
+    for n in segments:
+        if any(e in edges for e in range(offset + 1, offset + n)):
+            staged += n
+        offset += n
+    return staged
+
+
 def send_kv(
     channel: KVChannel,
     desc: TransferDescriptor,
-    layers,
+    source: PagedBlocks,
     timeout_s: float,
     verdict: Callable[[], tuple[bool, bytes]] | None = None,
-) -> None:
-    """Sender side: header, per-layer payload, trailer, then wait for the receiver's ack.
+    staging: StagingBuffers | None = None,
+) -> TransferPlan:
+    """Sender side: header and our runs, then the receiver's placement (both sides cut the
+    same segments from the two), the payload layer by layer, the trailer, and the receiver's
+    ack. Returns how the transfer was cut.
 
-    `layers` may be a lazy iterable: each layer is posted as soon as it is produced, so
-    producing layer i+1 (computing it, gathering it out of the cache) overlaps with sending
-    layer i. `verdict()`, called once every layer is posted, gives the trailer: (True,
-    payload) to deliver the payload with the KV, or (False, reason) to abort the transfer
-    (the receiver drops it; TransferAborted is raised here too). Without it: (True, b"")."""
-    dev = channel.device
-    channel.send([desc.encode().to(dev)], timeout_s)
-    handles = [channel.post_send(t.contiguous()) for t in layers]
-    if len(handles) != desc.layout.num_layers:
-        raise ValueError(f"{len(handles)} layers given, layout has {desc.layout.num_layers}")
+    Each layer is posted as soon as `source.layer(i)` returns it, so computing layer i+1
+    overlaps with sending layer i. A segment that is one run of our cache is sent from the
+    cache itself; any other is first gathered into `staging`. The cache blocks must stay
+    unchanged until this returns. `verdict()`, called once every layer is posted, gives the
+    trailer: (True, payload) to deliver the payload with the KV, or (False, reason) to abort
+    the transfer (the receiver drops it; TransferAborted is raised here too). Without it:
+    (True, b"")."""
+    dev, n = channel.device, desc.num_blocks
+    if len(source.block_ids) != n:
+        raise ValueError(f"{len(source.block_ids)} blocks given, the header says {n}")
+    mine = runs(source.block_ids)
+    channel.send([desc.encode().to(dev), encode_runs(mine, n).to(dev)], timeout_s)
+    placement = torch.zeros(n + 1, dtype=torch.int64, device=dev)
+    channel.recv([placement], timeout_s)
+    theirs = decode_runs(placement.cpu(), n, "placement")
+    segments = plan_segments(n, mine, theirs)
+    placed = _Placed(source.block_ids, segments, dev)
+    bufs = None
+    if placed.staged:
+        bufs = (staging or StagingBuffers()).get(desc.layout, n, dev)
+    handles = []
+    for i in range(desc.layout.num_layers):
+        cache = source.layer(i)
+        for k, v, index in placed.tensors(cache, bufs[i] if bufs else None):
+            if index is not None:  # staged: gathered out of the cache first
+                torch.index_select(cache[0], 0, index, out=k)
+                torch.index_select(cache[1], 0, index, out=v)
+            handles += [channel.post_send(k), channel.post_send(v)]
     ok, payload = verdict() if verdict is not None else (True, b"")
     for h in handles:
         channel.wait(h, timeout_s)
@@ -109,6 +200,7 @@ def send_kv(
         raise TransferAborted(f"the KV of {desc.request_id} was aborted: {reason}")
     if ack.item() != ACK_OK:
         raise TransferError(f"receiver refused the KV of {desc.request_id} (status {ack.item()})")
+    return TransferPlan(tuple(segments), placed.staged, _staged_in(theirs, segments))
 
 
 def recv_kv(
@@ -116,35 +208,57 @@ def recv_kv(
     layout: KVLayout,
     timeout_s: float,
     device: torch.device | str = "cpu",
-    accept=None,
+    target: Callable[[TransferDescriptor], PagedBlocks | None] | None = None,
     staging: StagingBuffers | None = None,
-    on_layer=None,
+    on_layer: Callable[[int], None] | None = None,
 ) -> tuple[TransferDescriptor, bytes]:
-    """Receiver side: read the header, check it against our layout (and `accept(desc)`, which
-    may refuse a request it does not expect), read the layers and the trailer, ack. Returns
-    the header and the trailer's payload; TransferAborted if the sender aborted.
+    """Receiver side: read the header (checked against our layout) and the sender's runs,
+    answer with our placement, read the layers and the trailer, ack. Returns the header and the
+    trailer's payload; TransferAborted if the sender aborted.
 
-    With `on_layer(i, tensor)`, each layer is handed over as soon as it lands (to be copied
-    into the reserved blocks) while later layers are still arriving. With `staging`, the
-    layers are views of reused buffers, valid only until the next transfer."""
+    `target(desc)` gives the blocks the request's KV goes into, or None to refuse a request
+    we do not expect (its bytes are then read into `staging` and dropped). A segment that is
+    one run of the target's blocks lands in the cache in place; any other lands in `staging`
+    and is scattered into its blocks as soon as its layer is in. Without a target nothing is
+    refused and the layers land in `staging` (valid until the next transfer). `on_layer(i)`
+    is called as each layer is complete."""
+    device = torch.device(device)
     header = empty_header().to(device)
     channel.recv([header], timeout_s)
     desc = TransferDescriptor.decode(header.cpu(), layout)
-    if staging is not None:
-        layers = staging.get(layout, desc.num_blocks, device)
-    else:
-        layers = [
-            torch.empty(
-                layout.layer_shape(desc.num_blocks), dtype=layout.torch_dtype, device=device
-            )
-            for _ in range(layout.num_layers)
-        ]
-    ok = accept is None or accept(desc)
-    handles = [channel.post_recv(t) for t in layers]
-    for i, h in enumerate(handles):
-        channel.wait(h, timeout_s)
+    n = desc.num_blocks
+    side = target(desc) if target is not None else None
+    ok = target is None or side is not None
+    ids = None
+    if side is not None:
+        if len(side.block_ids) < n:
+            raise ValueError(f"{len(side.block_ids)} target blocks for {n} blocks of KV")
+        ids = side.block_ids[:n]
+    theirs = torch.zeros(n + 1, dtype=torch.int64, device=device)
+    channel.recv([theirs], timeout_s)
+    theirs = decode_runs(theirs.cpu(), n, "sender's runs")
+    mine = runs(ids) if ids is not None else [n] if n else []
+    channel.send([encode_runs(mine, n).to(device)], timeout_s)
+    placed = _Placed(ids, plan_segments(n, theirs, mine), device)
+    bufs = None
+    if placed.staged:
+        bufs = (staging or StagingBuffers()).get(layout, n, device)
+    layers = []
+    for i in range(layout.num_layers):
+        cache = side.layer(i) if side is not None else (None, None)
+        parts = list(placed.tensors(cache, bufs[i] if bufs else None))
+        handles = [(channel.post_recv(k), channel.post_recv(v)) for k, v, _ in parts]
+        layers.append((cache, parts, handles))
+    for i, (cache, parts, handles) in enumerate(layers):
+        for hk, hv in handles:
+            channel.wait(hk, timeout_s)
+            channel.wait(hv, timeout_s)
+        for k, v, index in parts:
+            if index is not None:  # staged: scattered into its blocks
+                _scatter(side, cache[0], index, k)
+                _scatter(side, cache[1], index, v)
         if ok and on_layer is not None:
-            on_layer(i, layers[i])
+            on_layer(i)
     head = torch.zeros(2, dtype=torch.int64, device=device)
     channel.recv([head], timeout_s)
     status, size = head.tolist()
@@ -163,3 +277,10 @@ def recv_kv(
     if not ok:
         raise TransferError(f"refused KV for {desc.request_id}: no reservation matches it")
     return desc, payload
+
+
+def _scatter(side: PagedBlocks, cache: torch.Tensor, index: torch.Tensor, rows) -> None:
+    if side.scatter is not None:
+        side.scatter(cache, index, rows)
+    else:
+        cache.index_copy_(0, index, rows)

@@ -29,9 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
-
-from kv_transfer.channel import StagingBuffers, recv_kv
+from kv_transfer.channel import PagedBlocks, StagingBuffers, recv_kv
 from kv_transfer.layout import KVLayout, LayoutMismatch
 from kv_transfer.protocol import TransferAborted, TransferError
 from kv_transfer.torch_dist import PairGroup, store_server
@@ -180,17 +178,24 @@ class DecodeWorker(WorkerBase):
             if blocks is None:
                 raise TransferError(f"{rid} (attempt {spec.attempt}) has no reservation here")
             t0 = time.perf_counter()
-            ids = torch.tensor(blocks, dtype=torch.long, device=self.device)  # once, all layers
-            # Each layer goes straight into the reserved blocks as it lands; nothing reads
-            # reserved blocks until the request is admitted below.
+
+            def target(d):
+                if d.request_id != rid or d.num_blocks > len(blocks):
+                    return None
+                engine = self.engine
+                return PagedBlocks(
+                    blocks[: d.num_blocks], engine.kv_cache_layer, engine.write_kv_blocks
+                )
+
+            # The KV lands in the reserved blocks, in place where they lie in runs; nothing
+            # reads reserved blocks until the request is admitted below.
             _, payload = recv_kv(
                 current[1],
                 self.layout,
                 self.transfer_timeout_s,
                 self.device,
-                accept=lambda d: d.request_id == rid and d.num_blocks <= len(blocks),
+                target=target,
                 staging=self.staging.setdefault(prefill, StagingBuffers()),
-                on_layer=lambda i, t: self.engine.import_kv_layer(i, ids[: t.shape[1]], t),
             )
             first = decode_first(payload)
             seconds = time.perf_counter() - t0

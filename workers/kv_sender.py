@@ -2,10 +2,10 @@
 request's KV at a time over that pair's process group.
 
 A push starts as the step that completes its request's KV begins, not after it: the model
-marks each layer done (LayerProgress) and the sender gathers that layer out of the cache and
-puts it on the wire while the model computes the next ones. By the time the first token is
-sampled, only the last layer and the trailer (which carries the first tokens) are left, so
-the handoff adds almost nothing to the time to first token.
+marks each layer done (LayerProgress) and the sender puts that layer on the wire, straight
+out of the cache where the blocks lie in runs, while the model computes the next ones. By
+the time the first token is sampled, only the last layer and the trailer (which carries the
+first tokens) are left, so the handoff adds almost nothing to the time to first token.
 
 For each push, in order: open the pair group if there is none (the layout handshake first),
 ask the decode worker to receive (`receive_kv`, with the request's spec), send the header and
@@ -13,8 +13,8 @@ each layer as it is computed, then the trailer: the first tokens, or, if the pre
 was cancelled, an abort that the receiver drops (the pair stays in step). Once the receiver
 acks, the next push goes out while the decode worker admits this one: requests prefilled in
 one step do not each wait for a decode step before the next one's KV leaves. The sender never
-touches the engine: it is handed a `gather` function for the layers and a `release` function
-for the blocks, called exactly once per push, whatever happens.
+touches the engine: it is handed a `cache_layer` function (layer i's K and V caches) and a
+`release` function for the blocks, called exactly once per push, whatever happens.
 
 A failed push closes the pair (the next push rebuilds it under a new generation) and tells
 the decode worker, which frees the reservation and reports the attempt as failed.
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kv_transfer.channel import StagingBuffers, send_kv
+from kv_transfer.channel import PagedBlocks, StagingBuffers, TransferPlan, send_kv
 from kv_transfer.layout import KVLayout
 from kv_transfer.protocol import TransferAborted, TransferDescriptor, TransferError
 from kv_transfer.torch_dist import PairGroup, store_client
@@ -86,6 +86,7 @@ class Push:
     computed_at: float = 0.0  # perf_counter when `first` was set: the prefill's end
     cancelled: bool = False
     missing: str = ""  # why a layer went out unfilled; the transfer is then aborted
+    plan: TransferPlan | None = None  # how it was cut, once sent
 
     @property
     def request_id(self) -> str:
@@ -114,16 +115,16 @@ class KVSender:
         device: torch.device,
         bind_host: str,
         timeout_s: float,
-        gather: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor],
+        cache_layer: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
         release: Callable[[list[int]], None],
         on_done: Callable[[Push, PushResult], None],
     ) -> None:
         self.source, self.target = source, target
         self.layout, self.device, self.bind_host = layout, device, bind_host
         self.timeout_s = timeout_s
-        self.gather, self.release, self.on_done = gather, release, on_done
+        self.cache_layer, self.release, self.on_done = cache_layer, release, on_done
         self.group: PairGroup | None = None
-        self.staging = StagingBuffers()  # reused per layer; a push waits for its sends
+        self.staging = StagingBuffers()  # for blocks not in runs; a push waits for its sends
         self.generation = 0
         self.queue: queue.Queue[Push | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -188,12 +189,13 @@ class KVSender:
         try:
             self._ensure_group()
             ref = handle.receive_kv.remote(self.source, self.generation, push.spec)
-            send_kv(
+            push.plan = send_kv(
                 self.group,
                 push.desc,
-                self._layers(push),
+                PagedBlocks(push.blocks, lambda i: self._layer(push, i)),
                 self.timeout_s,
                 verdict=lambda: self._verdict(push),
+                staging=self.staging,
             )
             return ref
         except TransferAborted as e:  # the receiver dropped it and reported the attempt
@@ -228,21 +230,16 @@ class KVSender:
             log.warning("request %s: not admitted: %s", rid, received.error)
         self._done(push, received)
 
-    def _layers(self, push: Push):
-        """Each layer once the model has written it, gathered into reused buffers. If the
-        step fails, the rest go out as they are (the trailer then aborts the transfer), so
-        the pair stays in step."""
-        bufs = self.staging.get(self.layout, len(push.blocks), self.device)
-        blocks = torch.tensor(push.blocks, dtype=torch.long, device=self.device)  # once a push
-        failed = False
-        for i, buf in enumerate(bufs):
-            if not failed:
-                try:
-                    push.progress.wait(i, self.timeout_s)
-                except RuntimeError as e:
-                    failed = True
-                    push.missing = f"layer {i} of its KV was never computed: {e}"
-            yield buf if failed else self.gather(i, blocks, buf)
+    def _layer(self, push: Push, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's caches once the model has written the layer. If the step fails, the
+        rest go out as they are (the trailer then aborts the transfer), so the pair stays in
+        step."""
+        if not push.missing:
+            try:
+                push.progress.wait(i, self.timeout_s)
+            except RuntimeError as e:
+                push.missing = f"layer {i} of its KV was never computed: {e}"
+        return self.cache_layer(i)
 
     def _verdict(self, push: Push) -> tuple[bool, bytes]:
         if push.missing:

@@ -120,6 +120,12 @@ class WorkerMetrics:
         self.transfer_failures = counter(
             "tandem_kv_transfer_failures_total", "KV pushes that failed", t
         )
+        self.transfer_staged = counter(
+            "tandem_kv_transfer_staged_bytes_total",
+            "KV bytes pushed that were copied through a staging buffer (gathered on the"
+            " sender or scattered on the receiver: their blocks were not in one run)",
+            t,
+        )
         self._last: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -143,10 +149,12 @@ class WorkerMetrics:
                 if delta > 0:
                     getattr(self, name).inc(delta, tags)
 
-    def transfer(self, nbytes: int, seconds: float, ok: bool) -> None:
+    def transfer(self, nbytes: int, seconds: float, ok: bool, staged_bytes: int = 0) -> None:
         if ok:
             self.transfer_bytes.inc(nbytes, self.tags)
             self.transfer_seconds.observe(seconds, self.tags)
+            if staged_bytes:
+                self.transfer_staged.inc(staged_bytes, self.tags)
         else:
             self.transfer_failures.inc(1, self.tags)
 

@@ -277,7 +277,7 @@ class PrefillWorker(WorkerBase):
                 self.device,
                 self.transfer_host,
                 self.transfer_timeout_s,
-                gather=self.engine.export_kv_layer,
+                cache_layer=self.engine.kv_cache_layer,
                 release=lambda blocks: self.loop.call(self.engine.release_kv, blocks),
                 on_done=self._push_done,
             )
@@ -285,8 +285,10 @@ class PrefillWorker(WorkerBase):
 
     def _push_done(self, push: Push, result: PushResult) -> None:
         if not (push.cancelled or push.first_failed):  # only real transfers count
-            nbytes = len(push.blocks) * self.layout.bytes_per_block
-            self.metrics.transfer(nbytes, result.seconds, result.ok)
+            per_block = self.layout.bytes_per_block
+            plan = push.plan
+            staged = (plan.staged_send + plan.staged_recv) * per_block if plan else 0
+            self.metrics.transfer(len(push.blocks) * per_block, result.seconds, result.ok, staged)
         with self._lock:
             entry = self._pushes.get(push.request_id)
             if entry is not None and entry[0] is push:  # not a newer attempt's

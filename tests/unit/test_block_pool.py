@@ -53,3 +53,44 @@ def test_prefix_caching_off_never_hits():
     pool.cache(b, h[0])
     pool.free([b])
     assert pool.lookup(h) == []
+
+
+def _cache_all(pool, ids, tokens_from):
+    for block_id, h in zip(
+        ids, block_hashes(list(range(tokens_from, tokens_from + 2 * len(ids))), 2)
+    ):
+        pool.cache(block_id, h)
+
+
+def test_several_blocks_come_as_one_run_evicting_the_least_recently_freed():
+    """A prompt's blocks are consecutive ids where the pool has such a run (a KV transfer
+    moves a run in place). Of the runs that fit, blocks caching nothing go first, then the
+    run whose newest free is oldest, so recently freed prefixes survive."""
+    pool = BlockPool(12, 2)
+    assert pool.allocate(4) == [0, 1, 2, 3]  # a fresh pool: from the start
+    a, b = pool.allocate(4), pool.allocate(4)
+    assert (a, b) == ([4, 5, 6, 7], [8, 9, 10, 11])
+    _cache_all(pool, a, 100)
+    _cache_all(pool, b, 200)
+    pool.free(b)  # freed first: the older of the two cached runs
+    pool.free(a)
+    pool.free([0, 1, 2, 3])  # caches nothing
+    assert pool.allocate(4) == [0, 1, 2, 3]
+    # Inside b, freed before a; a request's blocks are freed tail first, so b's head stays.
+    assert pool.allocate(3) == [9, 10, 11]
+    assert pool.num_cached_blocks == 5
+    assert pool.lookup(block_hashes(list(range(100, 108)), 2)) == a  # a's prefix survived
+    assert pool.lookup(block_hashes(list(range(200, 208)), 2)) == [8]
+    # A cache hit taken back out of the free list is held: no run may cross it. Of the
+    # runs left, [7, 8] beats [6, 7]: 8 went before a, and a went tail first.
+    pool.touch([5])
+    assert pool.allocate(2) == [7, 8]
+    assert pool.allocate(1) == [6] and pool.num_free_blocks == 1  # one block: LRU
+
+
+def test_without_a_long_enough_run_the_least_recently_freed_blocks_are_taken_in_id_order():
+    pool = BlockPool(8, 2)
+    ids = pool.allocate(8)
+    pool.free([ids[6], ids[1], ids[4]])  # free, in this order, blocks 6, 1, 4: no run of 3
+    assert pool.allocate(3) == [1, 4, 6]
+    assert pool.num_free_blocks == 0

@@ -7,36 +7,66 @@ import time
 import pytest
 import torch
 
-from kv_transfer.channel import StagingBuffers, recv_kv, send_kv
+from kv_transfer.channel import PagedBlocks, StagingBuffers, recv_kv, send_kv
 from kv_transfer.inprocess import InProcessChannel
 from kv_transfer.layout import KVLayout, LayoutMismatch
-from kv_transfer.protocol import TransferAborted, TransferDescriptor, TransferError
+from kv_transfer.protocol import (
+    TransferAborted,
+    TransferDescriptor,
+    TransferError,
+    decode_runs,
+    encode_runs,
+    plan_segments,
+    runs,
+)
 from kv_transfer.torch_dist import PairGroup, store_client, store_server
 from workers.messages import FirstToken, decode_first, encode_first
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
+CACHE_BLOCKS = 64
 
 
-def payload(desc):
-    torch.manual_seed(1)
-    return [torch.randn(LAYOUT.layer_shape(desc.num_blocks)) for _ in range(LAYOUT.num_layers)]
+def make_cache(seed: int | None = None):
+    """One side's paged cache: per layer a (K, V) pair; random, or zeros with no seed."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    shape = (CACHE_BLOCKS, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+
+    def one():
+        return torch.randn(shape, generator=gen) if gen is not None else torch.zeros(shape)
+
+    return [(one(), one()) for _ in range(LAYOUT.num_layers)]
 
 
-def round_trip(sender, receiver, desc, layers, extra=b"first tokens"):
-    """Send on one side while the other receives in a thread; check what arrived: every
-    layer, and the trailer's payload."""
-    got = {}
-    staging = StagingBuffers()
+def paged(cache, ids, **kwargs):
+    return PagedBlocks(list(ids), lambda i: cache[i], **kwargs)
+
+
+def round_trip(sender, receiver, desc, src_ids, dst_ids, extra=b"first tokens"):
+    """Send `src_ids` of a random cache into `dst_ids` of an empty one, receiving in a
+    thread; check what arrived: every layer's blocks where they belong, nothing else
+    written, and the trailer's payload. Returns the sender's plan."""
+    src, dst = make_cache(seed=1), make_cache()
     receive = _in_thread(
         lambda: recv_kv(
-            receiver, LAYOUT, 5, staging=staging, on_layer=lambda i, t: got.update({i: t.clone()})
+            receiver, LAYOUT, 5, target=lambda d: paged(dst, dst_ids), staging=StagingBuffers()
         )
     )
-    send_kv(sender, desc, layers, 5, verdict=lambda: (True, extra))
+    plan = send_kv(
+        sender,
+        desc,
+        paged(src, src_ids),
+        5,
+        verdict=lambda: (True, extra),
+        staging=StagingBuffers(),
+    )
     got_desc, got_extra = receive(10)
     assert got_desc == desc and got_extra == extra
-    assert sorted(got) == list(range(LAYOUT.num_layers))
-    assert all(torch.equal(got[i], layer) for i, layer in enumerate(layers))
+    untouched = sorted(set(range(CACHE_BLOCKS)) - set(dst_ids))
+    for (sk, sv), (dk, dv) in zip(src, dst):
+        assert torch.equal(dk[list(dst_ids)], sk[list(src_ids)])
+        assert torch.equal(dv[list(dst_ids)], sv[list(src_ids)])
+        assert not dk[untouched].any() and not dv[untouched].any()
+    return plan
 
 
 def test_descriptor_round_trip_and_validation():
@@ -56,17 +86,65 @@ def test_layout_mismatch_names_every_field():
     assert "num_layers: 3 here, 30 there" in msg and "dtype: 'float32' here, 'bfloat16'" in msg
 
 
-def test_in_process_round_trip_and_refusal():
+def test_runs_and_segments():
+    assert runs([]) == [] and runs([5]) == [1]
+    assert runs([3, 4, 5, 9, 10, 2, 1]) == [3, 2, 1, 1]
+    # Cut wherever either side's run ends; pieces under 8 blocks merge with short neighbours.
+    assert plan_segments(30, [30], [30]) == [30]
+    assert plan_segments(30, [12, 18], [10, 20]) == [10, 2, 18]
+    assert plan_segments(30, [10, 1, 1, 1, 17], [30]) == [10, 3, 17]
+    assert plan_segments(30, [1] * 30, [30]) == [30]  # all short: one staged segment
+    many = [8, 1] * 20  # 40 pieces, over the cap: the whole request is one segment
+    assert plan_segments(180, many, [180]) == [180]
+    assert decode_runs(encode_runs([10, 2, 18], 30), 30, "placement") == [10, 2, 18]
+    for bad in ([10, 2, 17], [30, 0], []):
+        with pytest.raises(TransferError, match="bad KV placement"):
+            decode_runs(encode_runs(bad, 30), 30, "placement")
+
+
+@pytest.mark.parametrize(
+    "src_ids, dst_ids, segments, staged",
+    [
+        # Both sides one run: every segment moves in place.
+        (range(0, 20), range(30, 50), (20,), (0, 0)),
+        # The receiver's two short blocks are staged (merged into one segment); the rest in
+        # place on both sides.
+        (
+            [*range(0, 12), *range(40, 48)],
+            [*range(50, 60), 3, 7, *range(20, 28)],
+            (10, 2, 8),
+            (0, 2),
+        ),
+        # Scattered on both sides: one segment, gathered and scattered.
+        (
+            [9, 2, 33, 17, 5, 40, 22, 1, 60, 11],
+            [4, 61, 8, 30, 12, 0, 50, 19, 7, 45],
+            (10,),
+            (10, 10),
+        ),
+        # Runs on the sender only: sent in place, scattered on arrival.
+        (range(10, 20), [4, 61, 8, 30, 12, 0, 50, 19, 7, 45], (10,), (0, 10)),
+    ],
+)
+def test_blocks_land_where_they_belong_in_place_or_staged(src_ids, dst_ids, segments, staged):
+    a, b = InProcessChannel.pair()
+    n = len(src_ids)
+    desc = TransferDescriptor("r1", LAYOUT, n, n * LAYOUT.block_size - 1)
+    plan = round_trip(a, b, desc, src_ids, dst_ids)
+    assert (plan.segments, (plan.staged_send, plan.staged_recv)) == (segments, staged)
+
+
+def test_in_process_refusal():
     a, b = InProcessChannel.pair()
     desc = TransferDescriptor("r1", LAYOUT, 2, 7)
-    layers = payload(desc)
-    round_trip(a, b, desc, layers)
+    src = make_cache(seed=1)
     # A receiver that does not expect the request refuses it, and both sides say so.
-    receiver = _in_thread(lambda: recv_kv(b, LAYOUT, 5, accept=lambda d: False))
+    receiver = _in_thread(lambda: recv_kv(b, LAYOUT, 5, target=lambda d: None))
     with pytest.raises(TransferError, match="refused"):
-        send_kv(a, desc, layers, 5)
+        send_kv(a, desc, paged(src, [4, 5]), 5)
     outcome = receiver(5)
     assert isinstance(outcome, TransferError) and "no reservation matches" in str(outcome)
+    round_trip(a, b, desc, [4, 5], [9, 10])  # the pair is still in step
 
 
 def test_layers_leave_as_they_are_produced_and_the_trailer_comes_last():
@@ -75,30 +153,34 @@ def test_layers_leave_as_they_are_produced_and_the_trailer_comes_last():
     last layer, arrives with the transfer."""
     a, b = InProcessChannel.pair()
     desc = TransferDescriptor("r1", LAYOUT, 2, 7)
-    layers = payload(desc)
-    landed = [threading.Event() for _ in layers]
+    src, dst = make_cache(seed=1), make_cache()
+    landed = [threading.Event() for _ in range(LAYOUT.num_layers)]
 
-    def produce():
-        for i, layer in enumerate(layers):
-            if i:
-                assert landed[i - 1].wait(5), f"layer {i - 1} did not land before {i} was made"
-            yield layer
+    def produce(i):
+        if i:
+            assert landed[i - 1].wait(5), f"layer {i - 1} did not land before {i} was made"
+        return src[i]
 
-    receive = _in_thread(lambda: recv_kv(b, LAYOUT, 5, on_layer=lambda i, t: landed[i].set()))
-    send_kv(a, desc, produce(), 5, verdict=lambda: (True, b"\x00late\xff"))
+    receive = _in_thread(
+        lambda: recv_kv(
+            b, LAYOUT, 5, target=lambda d: paged(dst, [3, 4]), on_layer=lambda i: landed[i].set()
+        )
+    )
+    send_kv(a, desc, PagedBlocks([0, 1], produce), 5, verdict=lambda: (True, b"\x00late\xff"))
     assert receive(10) == (desc, b"\x00late\xff")
+    assert all(torch.equal(dst[i][0][3:5], src[i][0][0:2]) for i in range(LAYOUT.num_layers))
 
 
 def test_an_aborted_transfer_fails_both_sides_and_keeps_the_pair():
     a, b = InProcessChannel.pair()
     desc = TransferDescriptor("r1", LAYOUT, 2, 7)
-    layers = payload(desc)
-    receive = _in_thread(lambda: recv_kv(b, LAYOUT, 5))
+    src, dst = make_cache(seed=1), make_cache()
+    receive = _in_thread(lambda: recv_kv(b, LAYOUT, 5, target=lambda d: paged(dst, [1, 2])))
     with pytest.raises(TransferAborted, match="prefill failed"):
-        send_kv(a, desc, layers, 5, verdict=lambda: (False, b"the prefill failed"))
+        send_kv(a, desc, paged(src, [0, 1]), 5, verdict=lambda: (False, b"the prefill failed"))
     outcome = receive(5)
     assert isinstance(outcome, TransferAborted) and "the prefill failed" in str(outcome)
-    round_trip(a, b, desc, layers)  # still in step: the next transfer goes through
+    round_trip(a, b, desc, [0, 1], [1, 2])  # still in step: the next transfer goes through
 
 
 def _in_thread(fn):
@@ -153,23 +235,25 @@ def test_gloo_pair_moves_kv_and_survives_a_dead_peer():
     server = store_server("127.0.0.1")
     sender, receiver = _pair(server.port, server, "pair/p0/1")
     assert sender.backend == "gloo"
-    desc = TransferDescriptor("r1", LAYOUT, 3, 12)
-    layers = payload(desc)
-    round_trip(sender, receiver, desc, layers)
-    round_trip(sender, receiver, desc, layers)  # staging buffers reused, pair reused
+    desc = TransferDescriptor("r1", LAYOUT, 12, 47)
+    runs_ = [*range(0, 12)], [*range(40, 52)]
+    assert round_trip(sender, receiver, desc, *runs_).staged_send == 0
+    scattered = [9, 2, 33, 17, 5, 40, 22, 1, 60, 11, 14, 27]
+    plan = round_trip(sender, receiver, desc, runs_[0], scattered)  # pair reused
+    assert (plan.staged_send, plan.staged_recv) == (0, 12)
 
     # The peer goes away: the send fails within its timeout instead of hanging.
     receiver.close()
     t0 = time.monotonic()
     with pytest.raises(TransferError):
-        send_kv(sender, desc, layers, 1.0)
+        send_kv(sender, desc, paged(make_cache(seed=1), runs_[0]), 1.0)
     assert time.monotonic() - t0 < 10
     with pytest.raises(TransferError, match="closed"):
         sender.send([torch.zeros(1)], 1.0)
 
     # The next generation of the pair forms afresh and works.
     sender2, receiver2 = _pair(server.port, server, "pair/p0/2")
-    round_trip(sender2, receiver2, desc, layers)
+    round_trip(sender2, receiver2, desc, *runs_)
     sender2.close()
     receiver2.close()
 
@@ -213,7 +297,7 @@ def test_a_stopped_sender_gives_back_every_push_it_will_never_send():
         torch.device("cpu"),
         "127.0.0.1",
         1.0,
-        gather=None,
+        cache_layer=None,
         release=released.append,
         on_done=lambda push, result: done.append((push.request_id, result)),
     )

@@ -5,6 +5,12 @@ ids, so equal hashes mean equal token prefixes (exact token identity, not a loss
 A block whose last holder lets go keeps its hash and sits at the tail of the free list; it is
 reused by a later prompt with the same prefix, or evicted, least recently freed first, when a
 fresh block is needed.
+
+Several blocks at once (a prompt, a chunk, a KV transfer's reservation) are taken as one run
+of consecutive ids where the pool has one: a transfer moves a run in place, in one message
+per layer, where scattered blocks each need a copy through a staging buffer. Of the runs
+that fit, the pool takes the one whose most recently freed block was freed longest ago
+(blocks that cache nothing count as the oldest), so eviction stays close to LRU.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 ROOT_HASH = b""
 
@@ -54,6 +62,10 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}
         self.num_prefix_hits = 0  # blocks served from the cache, for metrics
+        # Per block: when it was last freed (a count of frees), -1 if it caches nothing, or
+        # +inf while held. Runs are chosen by it.
+        self._freed_at = np.full(num_blocks, -1.0)
+        self._frees = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -70,14 +82,35 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} blocks with {len(self._free)} free")
-        ids = []
-        for _ in range(n):
-            block_id, _ = self._free.popitem(last=False)
+        start = self._oldest_run(n) if n > 1 else None
+        if start is not None:
+            ids = list(range(start, start + n))
+            for block_id in ids:
+                del self._free[block_id]
+        else:  # no run of n free blocks: the least recently freed, in id order (some runs)
+            ids = sorted(self._free.popitem(last=False)[0] for _ in range(n))
+        for block_id in ids:
             block = self.blocks[block_id]
             self._evict(block)
             block.ref_count = 1
-            ids.append(block_id)
+        self._freed_at[ids] = np.inf
         return ids
+
+    def _oldest_run(self, n: int) -> int | None:
+        """The first id of the run of n free blocks whose newest free is the oldest, or None
+        if no n consecutive blocks are free."""
+        age = self._freed_at
+        if n > len(age):
+            return None
+        # Window maxima by doubling: after it, top[i] = max(age[i : i + width]).
+        top, width = age, 1
+        while width * 2 <= n:
+            top = np.maximum(top[:-width], top[width:])
+            width *= 2
+        starts = len(age) - n + 1
+        window = np.maximum(top[:starts], top[n - width : n - width + starts])
+        best = int(np.argmin(window))
+        return best if np.isfinite(window[best]) else None
 
     def free(self, block_ids: Sequence[int]) -> None:
         # Reverse order: a sequence's tail blocks are the least likely to be shared, so they
@@ -89,6 +122,8 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
+                self._frees += 1
+                self._freed_at[block_id] = self._frees if block.block_hash is not None else -1
 
     def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """Block ids caching the longest prefix of `hashes`; holds nothing (see `touch`)."""
@@ -108,6 +143,7 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]
+                self._freed_at[block_id] = np.inf
             block.ref_count += 1
         self.num_prefix_hits += len(block_ids)
 

@@ -7,10 +7,12 @@ Disaggregation uses it through a small API, never through the scheduler or block
 
 - prefill side: `add_request(..., stop_after=n + 1, keep_kv=True)` samples one token past
   the n it was given and keeps the KV blocks held (`RequestOutput.kv_blocks`); the worker
-  reads them with `export_kv_layer` and gives them back with `release_kv`. To send the KV
-  while it is computed, set `on_kv_completing` (below) and `hold_kv` the blocks it names;
-- decode side: `reserve` blocks, fill them with `import_kv_layer` (`reserved_blocks` says
-  where), then `add_prefilled`, or `release` the reservation;
+  reads them from `kv_cache_layer` (or copies them out with `export_kv_layer`) and gives them
+  back with `release_kv`. To send the KV while it is computed, set `on_kv_completing` (below)
+  and `hold_kv` the blocks it names;
+- decode side: `reserve` blocks, fill them in `kv_cache_layer` or with `write_kv_blocks` or
+  `import_kv_layer` (`reserved_blocks` says where), then `add_prefilled`, or `release` the
+  reservation;
 - both: `abort`, and `stats()` for the worker's status.
 """
 
@@ -246,6 +248,16 @@ class LLMEngine:
     def release(self, request_id: str) -> bool:
         """Give back a reservation (the transfer failed or was cancelled)."""
         return self.scheduler.release(request_id)
+
+    def kv_cache_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K and V caches, `[num_blocks, block_size, kv_heads, dim]` each. A
+        transfer reads held blocks out of them, or writes reserved ones, in place; nothing
+        else may be touched."""
+        return self.runner.kv_caches[layer]
+
+    def write_kv_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor, rows) -> None:
+        """Whole blocks' rows into one of `kv_cache_layer`'s caches, at reserved block ids."""
+        self.runner.write_blocks(cache, block_ids, rows)
 
     def import_kv_layer(self, layer: int, block_ids, data: torch.Tensor) -> None:
         """Write one layer of a transfer into reserved blocks (nothing reads them yet)."""
