@@ -2,7 +2,7 @@
 bytes, and what it adds to a prefill once the prefill's compute is over.
 
     python benchmarks/kv_transfer.py [--part wire|prefill|both] [--dtype bfloat16]
-        [--lengths 128,...] [--iters 10] [--prefill-lengths 1024] [--runs 5]
+        [--lengths 128,...] [--iters 20] [--wire-runs 3] [--prefill-lengths 1024] [--runs 5]
 
 Part `wire`: two processes on loopback, each with one thread, joined by a gloo pair group
 exactly as a prefill and a decode worker are (TCPStore rendezvous, PairGroup). For each prompt
@@ -10,7 +10,9 @@ length, the KV of SmolLM2-135M's layout is moved between two paged caches, same 
 time:
 - raw: one contiguous tensor sent with the group's send/recv, then a 1-element ack back. Two
   ways: the same buffer every time (hot: it stays in this CPU's 32 MB L3 up to 1k tokens),
-  and a buffer taken in turn from four (cold, as a cache's blocks are when they are sent);
+  and a buffer taken in turn from four (cold, as a cache's blocks are when they are sent).
+  A third row sends the hot buffer as 60 messages, as many as the handoff's (a layer's K and
+  V each): what gloo's per-message cost alone takes;
 - handoff, blocks in runs: Tandem's protocol (header, placement and cut, the layers, trailer,
   ack) between blocks that are consecutive in both caches, as a fresh cache hands them out:
   every layer moves straight from cache to cache;
@@ -19,7 +21,8 @@ time:
   requests ending in random order); segments that are not one run on a side are staged there;
 - handoff, scattered: every block apart on both sides (a random permutation), so each layer
   is gathered into a staging buffer on the sender and scattered out of one on the receiver.
-Median of --iters per cell; bandwidth is bytes / median seconds.
+Median of --iters transfers per cell, then the median over --wire-runs runs, each in a fresh
+pair of processes; bandwidth is bytes / that median.
 
 Part `prefill`: real Ray actors, a prefill and a decode worker with the default model (one
 thread each, as `tandem up` gives them), and fresh random prompts, one at a time. For each it
@@ -96,7 +99,7 @@ def churned_blocks(n_blocks: int, seed: int) -> list[int]:
     return pool.allocate(n_blocks)
 
 
-RAW = ("raw", "raw_cold")
+RAW = ("raw", "raw_cold", "raw_split")
 CASES = ("runs", "churned", "scattered")
 
 
@@ -131,14 +134,19 @@ def wire_worker(rank: int, port_file: str, args: dict, out: str) -> None:
         timings = {k: [] for k in (*RAW, *CASES)}
         plans = {}
         for i in range(args["iters"] + 1):  # the first round warms up
-            for raw_case, raw in (("raw", raws[0]), ("raw_cold", raws[1 + i % 3])):
+            messages = 2 * layout.num_layers  # as many as the handoff sends
+            for raw_case, raw in (
+                ("raw", [raws[0]]),
+                ("raw_cold", [raws[1 + i % 3]]),
+                ("raw_split", list(raws[0].chunk(messages))),
+            ):
                 group.send([ack], 60) if rank == 0 else group.recv([ack], 60)  # line up
                 t = time.perf_counter()
                 if rank == 0:
-                    group.send([raw], 60)
+                    group.send(raw, 60)
                     group.recv([ack], 60)
                 else:
-                    group.recv([raw], 60)
+                    group.recv(raw, 60)
                     group.send([ack], 60)
                 if i:
                     timings[raw_case].append(time.perf_counter() - t)
@@ -185,11 +193,20 @@ def run_wire(args) -> list[dict]:
     }
     port_file = str(args.out.with_suffix(".port"))
     tmp = str(args.out.with_suffix(".tmp"))
+    runs = []
+    for run in range(args.wire_runs):  # each a fresh pair of processes
+        Path(port_file).unlink(missing_ok=True)
+        mp.spawn(wire_worker, args=(port_file, job, tmp), nprocs=2, join=True)
+        runs.append(json.loads(Path(tmp).read_text()))
+        Path(tmp).unlink()
+        one = [f"{r['prompt_tokens']}: runs/raw {r['raw'] / r['runs']:.0%}" for r in runs[-1]]
+        print(f"  run {run + 1}: " + ", ".join(one), flush=True)
     Path(port_file).unlink(missing_ok=True)
-    mp.spawn(wire_worker, args=(port_file, job, tmp), nprocs=2, join=True)
-    Path(port_file).unlink(missing_ok=True)
-    rows = json.loads(Path(tmp).read_text())
-    Path(tmp).unlink()
+    rows = runs[0]
+    for i, r in enumerate(rows):  # each time the median over the runs
+        for k in (*RAW, *CASES):
+            r[f"{k}_runs"] = [run[i][k] for run in runs]
+            r[k] = statistics.median(r[f"{k}_runs"])
     table = []
     for r in rows:
         for k in (*RAW, *CASES):
@@ -215,6 +232,7 @@ def run_wire(args) -> list[dict]:
             "MiB",
             "raw ms (hot)",
             "raw ms (cold)",
+            "raw ms (60 msgs)",
             "runs ms",
             "churned ms",
             "scattered ms",
@@ -316,7 +334,8 @@ def main() -> None:
     p.add_argument("--part", default="both", choices=("wire", "prefill", "both"))
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--lengths", default="128,256,512,1024,2048,4096")
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=int, default=20, help="transfers per cell (part wire)")
+    p.add_argument("--wire-runs", type=int, default=3, help="runs of part wire; medians shown")
     p.add_argument(
         "--prefill-lengths", default="1024", type=lambda v: [int(x) for x in v.split(",")]
     )

@@ -190,11 +190,12 @@ def send_kv(
                 torch.index_select(cache[1], 0, index, out=v)
             handles += [channel.post_send(k), channel.post_send(v)]
     ok, payload = verdict() if verdict is not None else (True, b"")
+    tail = [t.to(dev) for t in trailer(ok, payload)]  # queued behind the layers, in order
+    handles += [channel.post_send(t) for t in tail]
+    ack = torch.zeros(1, dtype=torch.int64, device=dev)
+    handles.append(channel.post_recv(ack))
     for h in handles:
         channel.wait(h, timeout_s)
-    channel.send([t.to(dev) for t in trailer(ok, payload)], timeout_s)
-    ack = torch.zeros(1, dtype=torch.int64, device=dev)
-    channel.recv([ack], timeout_s)
     if not ok:
         reason = payload.decode(errors="replace")
         raise TransferAborted(f"the KV of {desc.request_id} was aborted: {reason}")
@@ -249,6 +250,8 @@ def recv_kv(
         parts = list(placed.tensors(cache, bufs[i] if bufs else None))
         handles = [(channel.post_recv(k), channel.post_recv(v)) for k, v, _ in parts]
         layers.append((cache, parts, handles))
+    head = torch.zeros(2, dtype=torch.int64, device=device)
+    head_handle = channel.post_recv(head)
     for i, (cache, parts, handles) in enumerate(layers):
         for hk, hv in handles:
             channel.wait(hk, timeout_s)
@@ -259,8 +262,7 @@ def recv_kv(
                 _scatter(side, cache[1], index, v)
         if ok and on_layer is not None:
             on_layer(i)
-    head = torch.zeros(2, dtype=torch.int64, device=device)
-    channel.recv([head], timeout_s)
+    channel.wait(head_handle, timeout_s)
     status, size = head.tolist()
     if status not in (TRAILER_OK, TRAILER_ABORTED) or not 0 <= size <= TRAILER_MAX_BYTES:
         raise TransferError(f"bad KV trailer for {desc.request_id}: status {status}, {size} B")
