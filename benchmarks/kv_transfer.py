@@ -11,10 +11,10 @@ time:
 - raw: one contiguous tensor sent with the group's send/recv, then a 1-element ack back. Two
   ways: the same buffer every time (hot: it stays in this CPU's 32 MB L3 up to 1k tokens),
   and a buffer taken in turn from four (cold, as a cache's blocks are when they are sent).
-  A third row sends the hot buffer as 60 messages, as many as the handoff's (a layer's K and
-  V each): what gloo's per-message cost alone takes;
-- handoff, blocks in runs: Tandem's protocol (header, placement and cut, the layers, trailer,
-  ack) between blocks that are consecutive in both caches, as a fresh cache hands them out:
+  A third row sends the hot buffer as 30 messages, as many as the handoff's for blocks in one
+  run (one per layer, K and V side by side): what gloo's per-message cost alone takes;
+- handoff, blocks in runs: Tandem's protocol (header and runs, placement, the layers,
+  trailer, ack) between blocks that are consecutive in both caches, as a fresh cache hands them out:
   every layer moves straight from cache to cache;
 - handoff, churned cache: both sides' blocks allocated by the engine's BlockPool after a
   simulated serving history (prompts of random length, decodes growing one block at a time,
@@ -68,9 +68,8 @@ def layout_for(dtype: str) -> KVLayout:
 
 def make_cache(layout: KVLayout):
     cache = allocate_kv_cache(layout, CACHE_BLOCKS, torch.device("cpu"))
-    for k, v in cache:
-        k.normal_()
-        v.normal_()
+    for layer in cache:
+        layer.normal_()
     return cache
 
 
@@ -134,7 +133,7 @@ def wire_worker(rank: int, port_file: str, args: dict, out: str) -> None:
         timings = {k: [] for k in (*RAW, *CASES)}
         plans = {}
         for i in range(args["iters"] + 1):  # the first round warms up
-            messages = 2 * layout.num_layers  # as many as the handoff sends
+            messages = layout.num_layers  # as many as the handoff sends for one run
             for raw_case, raw in (
                 ("raw", [raws[0]]),
                 ("raw_cold", [raws[1 + i % 3]]),
@@ -232,7 +231,7 @@ def run_wire(args) -> list[dict]:
             "MiB",
             "raw ms (hot)",
             "raw ms (cold)",
-            "raw ms (60 msgs)",
+            "raw ms (30 msgs)",
             "runs ms",
             "churned ms",
             "scattered ms",

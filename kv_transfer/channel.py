@@ -87,12 +87,12 @@ class StagingBuffers:
 @dataclass
 class PagedBlocks:
     """One side's blocks for a transfer: their ids, in the order of the request's positions,
-    and `layer(i)`, that layer's `(K, V)` caches, each `[cache_blocks, block_size, kv_heads,
-    head_dim]`. On the sender `layer(i)` may block until the model has written layer i. On
-    the receiver, `scatter(cache, ids, rows)` writes staged rows into their blocks."""
+    and `layer(i)`, that layer's cache, `layout.layer_shape(cache_blocks)` (a block's K and V
+    side by side). On the sender `layer(i)` may block until the model has written layer i.
+    On the receiver, `scatter(cache, ids, blocks)` writes staged blocks into place."""
 
     block_ids: list[int]
-    layer: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    layer: Callable[[int], torch.Tensor]
     scatter: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
 
@@ -124,15 +124,14 @@ class _Placed:
             offset += n
         self.staged = sum(n for _, n, start, _ in self.parts if start is None)
 
-    def tensors(self, kv, buf: torch.Tensor | None):
-        """Per segment, `(K, V, index)`: views of the cache for a run (index None), or of
-        the staging buffer with the cache block ids they belong at."""
-        k, v = kv
+    def tensors(self, cache, buf: torch.Tensor | None):
+        """Per segment, `(blocks, index)`: a view of the cache for a run (index None), or of
+        the staging buffer with the cache block ids its blocks belong at."""
         for offset, n, start, index in self.parts:
             if start is not None:
-                yield k[start : start + n], v[start : start + n], None
+                yield cache[start : start + n], None
             else:
-                yield buf[0, offset : offset + n], buf[1, offset : offset + n], index
+                yield buf[offset : offset + n], index
 
 
 def _staged_in(runs_: list[int], segments: list[int]) -> int:
@@ -184,11 +183,10 @@ def send_kv(
     handles = []
     for i in range(desc.layout.num_layers):
         cache = source.layer(i)
-        for k, v, index in placed.tensors(cache, bufs[i] if bufs else None):
+        for blocks, index in placed.tensors(cache, bufs[i] if bufs else None):
             if index is not None:  # staged: gathered out of the cache first
-                torch.index_select(cache[0], 0, index, out=k)
-                torch.index_select(cache[1], 0, index, out=v)
-            handles += [channel.post_send(k), channel.post_send(v)]
+                torch.index_select(cache, 0, index, out=blocks)
+            handles.append(channel.post_send(blocks))
     ok, payload = verdict() if verdict is not None else (True, b"")
     tail = [t.to(dev) for t in trailer(ok, payload)]  # queued behind the layers, in order
     handles += [channel.post_send(t) for t in tail]
@@ -246,20 +244,18 @@ def recv_kv(
         bufs = (staging or StagingBuffers()).get(layout, n, device)
     layers = []
     for i in range(layout.num_layers):
-        cache = side.layer(i) if side is not None else (None, None)
+        cache = side.layer(i) if side is not None else None
         parts = list(placed.tensors(cache, bufs[i] if bufs else None))
-        handles = [(channel.post_recv(k), channel.post_recv(v)) for k, v, _ in parts]
+        handles = [channel.post_recv(blocks) for blocks, _ in parts]
         layers.append((cache, parts, handles))
     head = torch.zeros(2, dtype=torch.int64, device=device)
     head_handle = channel.post_recv(head)
     for i, (cache, parts, handles) in enumerate(layers):
-        for hk, hv in handles:
-            channel.wait(hk, timeout_s)
-            channel.wait(hv, timeout_s)
-        for k, v, index in parts:
-            if index is not None:  # staged: scattered into its blocks
-                _scatter(side, cache[0], index, k)
-                _scatter(side, cache[1], index, v)
+        for h in handles:
+            channel.wait(h, timeout_s)
+        for blocks, index in parts:
+            if index is not None:  # staged: scattered into place
+                _scatter(side, cache, index, blocks)
         if ok and on_layer is not None:
             on_layer(i)
     channel.wait(head_handle, timeout_s)

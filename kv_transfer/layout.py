@@ -35,8 +35,9 @@ class KVLayout:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
     def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """One layer of a transfer: K and V stacked, `[2, blocks, block_size, kv_heads, dim]`."""
-        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        """One layer of a paged cache, or of a transfer: each block's K and V side by side,
+        `[blocks, 2, block_size, kv_heads, dim]`."""
+        return (num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     def check_compatible(self, other: KVLayout) -> None:
         diffs = [

@@ -13,7 +13,7 @@ each layer as it is computed, then the trailer: the first tokens, or, if the pre
 was cancelled, an abort that the receiver drops (the pair stays in step). Once the receiver
 acks, the next push goes out while the decode worker admits this one: requests prefilled in
 one step do not each wait for a decode step before the next one's KV leaves. The sender never
-touches the engine: it is handed a `cache_layer` function (layer i's K and V caches) and a
+touches the engine: it is handed a `cache_layer` function (layer i's cache tensor) and a
 `release` function for the blocks, called exactly once per push, whatever happens.
 
 A failed push closes the pair (the next push rebuilds it under a new generation) and tells
@@ -115,7 +115,7 @@ class KVSender:
         device: torch.device,
         bind_host: str,
         timeout_s: float,
-        cache_layer: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        cache_layer: Callable[[int], torch.Tensor],
         release: Callable[[list[int]], None],
         on_done: Callable[[Push, PushResult], None],
     ) -> None:
@@ -230,8 +230,8 @@ class KVSender:
             log.warning("request %s: not admitted: %s", rid, received.error)
         self._done(push, received)
 
-    def _layer(self, push: Push, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's caches once the model has written the layer. If the step fails, the
+    def _layer(self, push: Push, i: int) -> torch.Tensor:
+        """Layer i's cache once the model has written the layer. If the step fails, the
         rest go out as they are (the trailer then aborts the transfer), so the pair stays in
         step."""
         if not push.missing:

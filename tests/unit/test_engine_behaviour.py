@@ -136,7 +136,8 @@ def test_cpu_decode_kernel_matches_sdpa(tiny_llama_dir, dtype="float32"):
 @pytest.mark.parametrize("d", [16, 64, 128])  # the generic kernel and both fixed head sizes
 @pytest.mark.parametrize("batch", [2, 9])  # one KV head per work item, and all heads per item
 @pytest.mark.parametrize("group", [3, 9])  # 9 query heads a KV head: past the bf16 path's 8
-def test_kernel_numerics_against_a_dense_reference(dtype, tol, d, batch, group):
+@pytest.mark.parametrize("paired", [False, True])  # K and V apart, or a block's side by side
+def test_kernel_numerics_against_a_dense_reference(dtype, tol, d, batch, group, paired):
     from workers.model.cpu_kernels import cpu_kernels
 
     kernel = cpu_kernels()
@@ -145,8 +146,7 @@ def test_kernel_numerics_against_a_dense_reference(dtype, tol, d, batch, group):
     torch.manual_seed(0)
     blocks, bs, kvh, width = 64, 4, 2, 5
     heads = kvh * group
-    k_cache = torch.randn(blocks, bs, kvh, d).to(dtype)
-    v_cache = torch.randn(blocks, bs, kvh, d).to(dtype)
+    k_cache, v_cache = _cache_pair(torch.randn, blocks, bs, kvh, d, dtype, paired)
     tables = torch.stack([torch.randperm(blocks)[:width] for _ in range(batch)])
     lens = torch.tensor([1 + (7 * b + 12) % (width * bs) for b in range(batch)])
     q = torch.randn(batch, heads, d).to(dtype)
@@ -162,9 +162,18 @@ def test_kernel_numerics_against_a_dense_reference(dtype, tol, d, batch, group):
         kernel.paged_decode_attention(q, k_cache, v_cache, tables, lens * 0, d**-0.5)
 
 
-def _prefill_case(dtype, offset, q_len, d=16, bs=4, kvh=2, heads=6, seed=0):
+def _cache_pair(make, blocks, bs, kvh, d, dtype, paired):
+    """A layer's K and V caches: two tensors, or (paired) views of one allocation holding a
+    block's K and V side by side, as the engine allocates them."""
+    if paired:
+        layer = make(blocks, 2, bs, kvh, d).to(dtype)
+        return layer[:, 0], layer[:, 1]
+    return make(blocks, bs, kvh, d).to(dtype), make(blocks, bs, kvh, d).to(dtype)
+
+
+def _prefill_case(dtype, offset, q_len, d=16, bs=4, kvh=2, heads=6, seed=0, paired=False):
     """A prompt chunk after `offset` cached tokens, its K/V already in scattered blocks."""
-    from workers.model.attention.base import PrefillSlice
+    from workers.model.attention.base import PrefillSlice, write_slots
 
     torch.manual_seed(seed)
     ctx = offset + q_len
@@ -172,11 +181,10 @@ def _prefill_case(dtype, offset, q_len, d=16, bs=4, kvh=2, heads=6, seed=0):
     q = torch.randn(q_len, heads, d).to(dtype)
     blocks = -(-ctx // bs) + 8
     table = torch.randperm(blocks)[: -(-ctx // bs)]
-    k_cache = torch.zeros(blocks, bs, kvh, d, dtype=dtype)
-    v_cache = torch.zeros(blocks, bs, kvh, d, dtype=dtype)
+    k_cache, v_cache = _cache_pair(torch.zeros, blocks, bs, kvh, d, dtype, paired)
     slots = torch.tensor([int(table[i // bs]) * bs + i % bs for i in range(ctx)])
-    k_cache.view(-1, kvh, d)[slots] = k_all
-    v_cache.view(-1, kvh, d)[slots] = v_all
+    write_slots(k_cache, slots, k_all)
+    write_slots(v_cache, slots, v_all)
     part = PrefillSlice(0, q_len, ctx, table)
     return q, k_all, v_all, k_cache, v_cache, part
 
@@ -202,14 +210,19 @@ def _prefill_kernel_backend():
     ],
 )
 @pytest.mark.parametrize("offset, q_len", [(0, 9), (5, 1), (12, 7), (37, 40), (70, 45)])
-def test_prefill_chunk_attention_against_a_dense_reference(dtype, tol, d, kernel, offset, q_len):
+@pytest.mark.parametrize("paired", [False, True])
+def test_prefill_chunk_attention_against_a_dense_reference(
+    dtype, tol, d, kernel, offset, q_len, paired
+):
     """A prompt chunk after `offset` cached tokens (its prefix read from scattered blocks: the
     CPU's two-pass path, or the bf16 kernel), or a first chunk (offset 0), against causal
     attention written out in fp32."""
     from workers.model.attention.torch_backend import TorchAttentionBackend
 
     heads, kvh = 6, 2
-    q, k_all, v_all, k_cache, v_cache, part = _prefill_case(dtype, offset, q_len, d=d)
+    q, k_all, v_all, k_cache, v_cache, part = _prefill_case(
+        dtype, offset, q_len, d=d, paired=paired
+    )
     if kernel:
         backend = _prefill_kernel_backend()
     else:

@@ -41,9 +41,36 @@ def test_scatter_blocks_matches_index_copy_and_checks_ids(ops, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_scatter_blocks_writes_a_steps_kv_rows_from_the_fused_qkv(ops, dtype):
-    """A step's new K rows, columns of the fused QKV output (strided rows), into their
-    cache slots: the same bytes as index_copy_; a slice that is not contiguous is refused."""
+@pytest.mark.parametrize("paired", [False, True])
+def test_write_slots_puts_a_steps_kv_rows_from_the_fused_qkv_into_their_slots(ops, dtype, paired):
+    """A step's new K rows, columns of the fused QKV output (strided rows), into their slots
+    of a cache whose blocks hold K alone or K and V side by side (the engine's layout): the
+    same bytes as the torch version; out-of-range slots and non-contiguous rows are refused."""
+    from workers.model.attention.base import write_slots
+
+    torch.manual_seed(0)
+    slots = torch.tensor([7, 0, 33, 12, 5, 39])
+    qkv = torch.randn(6, 5 * 3 * 16).to(dtype)
+    k = qkv[:, 2 * 48 : 3 * 48].view(6, 3, 16)  # rows 240 apart
+    layer = torch.randn(10, 2, 4, 3, 16).to(dtype)
+    cache = layer[:, 0] if paired else layer[:, 0].contiguous()
+    want_layer = layer.clone()
+    want = want_layer[:, 0] if paired else cache.clone()
+    write_slots(want, slots, k)
+    ops.write_slots(cache, slots, k)
+    assert torch.equal(cache, want)
+    if paired:
+        assert torch.equal(layer, want_layer)  # the V halves untouched
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.write_slots(cache, torch.tensor([40]), k[:1])
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.write_slots(cache, slots, k.transpose(1, 2).contiguous().transpose(1, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scatter_blocks_takes_strided_rows(ops, dtype):
+    """Rows of a wider tensor (strided) into their places: the same bytes as index_copy_; a
+    slice that is not contiguous is refused."""
     slots = torch.tensor([7, 0, 33, 12, 5])
     qkv = torch.randn(5, 5 * 3 * 16).to(dtype)
     k = qkv[:, 2 * 48 : 3 * 48].view(5, 3, 16)  # rows 240 apart

@@ -27,14 +27,15 @@ CACHE_BLOCKS = 64
 
 
 def make_cache(seed: int | None = None):
-    """One side's paged cache: per layer a (K, V) pair; random, or zeros with no seed."""
+    """One side's paged cache, a tensor per layer (K and V of a block side by side); random,
+    or zeros with no seed."""
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    shape = (CACHE_BLOCKS, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    shape = LAYOUT.layer_shape(CACHE_BLOCKS)
 
     def one():
         return torch.randn(shape, generator=gen) if gen is not None else torch.zeros(shape)
 
-    return [(one(), one()) for _ in range(LAYOUT.num_layers)]
+    return [one() for _ in range(LAYOUT.num_layers)]
 
 
 def paged(cache, ids, **kwargs):
@@ -62,10 +63,9 @@ def round_trip(sender, receiver, desc, src_ids, dst_ids, extra=b"first tokens"):
     got_desc, got_extra = receive(10)
     assert got_desc == desc and got_extra == extra
     untouched = sorted(set(range(CACHE_BLOCKS)) - set(dst_ids))
-    for (sk, sv), (dk, dv) in zip(src, dst):
-        assert torch.equal(dk[list(dst_ids)], sk[list(src_ids)])
-        assert torch.equal(dv[list(dst_ids)], sv[list(src_ids)])
-        assert not dk[untouched].any() and not dv[untouched].any()
+    for s, d in zip(src, dst):
+        assert torch.equal(d[list(dst_ids)], s[list(src_ids)])
+        assert not d[untouched].any()
     return plan
 
 
@@ -168,7 +168,7 @@ def test_layers_leave_as_they_are_produced_and_the_trailer_comes_last():
     )
     send_kv(a, desc, PagedBlocks([0, 1], produce), 5, verdict=lambda: (True, b"\x00late\xff"))
     assert receive(10) == (desc, b"\x00late\xff")
-    assert all(torch.equal(dst[i][0][3:5], src[i][0][0:2]) for i in range(LAYOUT.num_layers))
+    assert all(torch.equal(dst[i][3:5], src[i][0:2]) for i in range(LAYOUT.num_layers))
 
 
 def test_an_aborted_transfer_fails_both_sides_and_keeps_the_pair():

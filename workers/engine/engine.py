@@ -249,14 +249,14 @@ class LLMEngine:
         """Give back a reservation (the transfer failed or was cancelled)."""
         return self.scheduler.release(request_id)
 
-    def kv_cache_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s K and V caches, `[num_blocks, block_size, kv_heads, dim]` each. A
-        transfer reads held blocks out of them, or writes reserved ones, in place; nothing
-        else may be touched."""
-        return self.runner.kv_caches[layer]
+    def kv_cache_layer(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s cache, `kv_layout.layer_shape(num_blocks)`: a block's K and V side
+        by side. A transfer reads held blocks out of it, or writes reserved ones, in place;
+        nothing else may be touched."""
+        return self.runner.kv_layers[layer]
 
     def write_kv_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor, rows) -> None:
-        """Whole blocks' rows into one of `kv_cache_layer`'s caches, at reserved block ids."""
+        """Whole blocks into a `kv_cache_layer` tensor, at reserved block ids."""
         self.runner.write_blocks(cache, block_ids, rows)
 
     def import_kv_layer(self, layer: int, block_ids, data: torch.Tensor) -> None:

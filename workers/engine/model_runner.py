@@ -1,9 +1,9 @@
 """Runs one scheduled step on the model: flattens the step into rows, builds the attention
 metadata, runs the decoder, computes logits only for rows that sample, and samples.
 
-It owns the device KV cache: per layer, a K and a V tensor of
-`[num_blocks, block_size, num_kv_heads, head_dim]`, the layout both attention backends and
-the KV transfer read.
+It owns the device KV cache: per layer one tensor of `[num_blocks, 2, block_size,
+num_kv_heads, head_dim]`, a block's K and V side by side, which the KV transfer moves a run
+of blocks at a time; the attention backends read it as a (K, V) pair of views.
 """
 
 from __future__ import annotations
@@ -21,15 +21,17 @@ from workers.model.llama import LlamaForCausalLM
 
 
 def allocate_kv_cache(layout: KVLayout, num_blocks: int, device: torch.device):
-    shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    """Each layer's cache, `layout.layer_shape(num_blocks)`: a block's K and V side by side,
+    so that a run of blocks is one contiguous region (one message for a KV transfer). The
+    attention backends take it as a (K, V) pair of views (`kv_pair`)."""
+    shape = layout.layer_shape(num_blocks)
     dtype = getattr(torch, layout.dtype)
-    return [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
-        for _ in range(layout.num_layers)
-    ]
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layout.num_layers)]
+
+
+def kv_pair(layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's K and V caches, `[num_blocks, block_size, kv_heads, dim]` views of it."""
+    return layer[:, 0], layer[:, 1]
 
 
 class ModelRunner:
@@ -49,7 +51,8 @@ class ModelRunner:
         self.backend.check_block_size(block_size)
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype)
-        self.kv_caches = allocate_kv_cache(self.layout, num_blocks, device)
+        self.kv_layers = allocate_kv_cache(self.layout, num_blocks, device)
+        self.kv_caches = [kv_pair(layer) for layer in self.kv_layers]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, layer_done=None) -> list[SampledToken]:
@@ -107,9 +110,8 @@ class ModelRunner:
         """Copy-on-write: each (source, destination) pair, in every layer's K and V."""
         src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
-        for k, v in self.kv_caches:
-            k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+        for layer in self.kv_layers:  # K and V of a block together
+            layer.index_copy_(0, dst, layer.index_select(0, src))
 
     def export_layer(self, layer: int, block_ids, out: torch.Tensor | None = None) -> torch.Tensor:
         """One layer of these blocks as a `[2, n, block_size, kv_heads, dim]` tensor (into
@@ -121,7 +123,7 @@ class ModelRunner:
         scatter_layer(self.kv_caches[layer], block_ids, data, self.model.ops)
 
     def write_blocks(self, cache: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> None:
-        """Whole blocks' rows into one of a layer's caches (K or V), at block ids `idx`."""
+        """Whole blocks into a layer's cache (`kv_layers`), at block ids `idx`."""
         scatter_rows(cache, idx, rows, self.model.ops)
 
     def _slots(self, blocks: list[int], start: int, end: int) -> list[int]:
@@ -175,7 +177,7 @@ def scatter_layer(kv, block_ids, data: torch.Tensor, ops=None) -> None:
 def scatter_rows(cache: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, ops=None) -> None:
     """`cache[idx[i]] = rows[i]` for whole blocks. With the CPU kernels (`ops`), a memcpy per
     block: index_copy_ goes element by element, at a fifth of the speed."""
-    if ops is not None and cache.device.type == "cpu" and rows.is_contiguous():
+    if ops is not None and cache.device.type == "cpu" and cache.is_contiguous():
         ops.scatter_blocks(cache, idx, rows)
     else:
         cache.index_copy_(0, idx, rows)

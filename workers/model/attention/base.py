@@ -2,8 +2,11 @@
 
 A step's tokens are flattened into one row per token: first every decode (one query token per
 sequence), then the prefill chunks, each a contiguous run of rows. The KV cache of a layer is a
-pair of tensors `[num_blocks, block_size, num_kv_heads, head_dim]`; token `t` of a sequence lives
-in slot `block_table[t // block_size] * block_size + t % block_size`.
+pair of tensors `[num_blocks, block_size, num_kv_heads, head_dim]`, views of one
+`[num_blocks, 2, block_size, num_kv_heads, head_dim]` allocation (K and V of a block side by
+side, so a run of blocks is one contiguous region: a KV transfer moves it as one message).
+Each block is contiguous; blocks lie `stride(0)` apart. Token `t` of a sequence lives in slot
+`block_table[t // block_size] * block_size + t % block_size`.
 """
 
 from __future__ import annotations
@@ -39,6 +42,13 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None
     # Flash-attn varlen inputs, built only by that backend.
     extra: dict | None = None
+
+
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """`cache[slot // block_size, slot % block_size] = row` for each row: a step's new K or V
+    rows into their slots (torch ops; the CPU kernels have a memcpy version)."""
+    block_size = cache.shape[1]
+    cache[torch.div(slots, block_size, rounding_mode="floor"), slots % block_size] = rows
 
 
 class AttentionBackend(ABC):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.model.attention.base import AttentionBackend, AttentionMetadata
+from workers.model.attention.base import AttentionBackend, AttentionMetadata, write_slots
 
 FLASH_PAGE_MULTIPLE = 256
 
@@ -40,9 +40,8 @@ class FlashAttentionBackend(AttentionBackend):
             )
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        kvh, d = k.shape[1], k.shape[2]
-        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        write_slots(k_cache, meta.slot_mapping, k)
+        write_slots(v_cache, meta.slot_mapping, v)
         if meta.extra is None:
             meta.extra = _varlen_inputs(meta, q.device)
         x = meta.extra

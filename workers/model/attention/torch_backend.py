@@ -16,7 +16,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.model.attention.base import AttentionBackend, AttentionMetadata, PrefillSlice
+from workers.model.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    PrefillSlice,
+    write_slots,
+)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -32,11 +37,10 @@ class TorchAttentionBackend(AttentionBackend):
             self.name = "torch+cpu-kernel"
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        group = q.shape[1] // num_kv_heads
-        write_kv = self.kernel.scatter_blocks if self.kernel is not None else _index_copy
-        write_kv(k_cache.view(-1, num_kv_heads, head_dim), meta.slot_mapping, k)
-        write_kv(v_cache.view(-1, num_kv_heads, head_dim), meta.slot_mapping, v)
+        group = q.shape[1] // k.shape[1]
+        write = self.kernel.write_slots if self.kernel is not None else write_slots
+        write(k_cache, meta.slot_mapping, k)
+        write(v_cache, meta.slot_mapping, v)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
@@ -54,8 +58,7 @@ class TorchAttentionBackend(AttentionBackend):
             and q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
             and q.stride(-1) == 1
             and q.stride(-2) == q.shape[-1]
-            and k_cache.is_contiguous()
-            and v_cache.is_contiguous()
+            and paged_blocks_contiguous(k_cache, v_cache)
             and block_table.dtype == torch.long
             and block_table.is_contiguous()
             and self.kernel.prefill_attention_bf16_supported(q.shape[-1])
@@ -124,5 +127,12 @@ class TorchAttentionBackend(AttentionBackend):
         return o[0].transpose(0, 1)
 
 
-def _index_copy(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-    dst.index_copy_(0, index, src)
+def paged_blocks_contiguous(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """What the kernels ask of a layer's cache pair: alike, each block contiguous."""
+    _, block_size, kvh, d = k_cache.shape
+    return (
+        k_cache.shape == v_cache.shape
+        and k_cache.stride() == v_cache.stride()
+        and k_cache.stride()[1:] == (kvh * d, d, 1)
+        and k_cache.stride(0) >= block_size * kvh * d
+    )

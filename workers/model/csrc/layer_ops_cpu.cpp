@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "cpu_math.h"
+#include "paged_cache.h"
 
 namespace {
 
@@ -153,9 +154,8 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
-// dst[index[i]] = src[i] along dim 0, each slice copied whole: a KV transfer's layer landing
-// in its reserved blocks, or a step's new K/V rows landing in their cache slots. index_copy_
-// copies element by element, at a fifth of this speed.
+// dst[index[i]] = src[i] along dim 0, each slice copied whole: a KV transfer's blocks landing
+// in their reserved blocks. index_copy_ copies element by element, at a fifth of this speed.
 void scatter_blocks(torch::Tensor dst, torch::Tensor index, torch::Tensor src) {
   TORCH_CHECK(dst.is_contiguous(), "dst must be contiguous");
   TORCH_CHECK(dst.scalar_type() == src.scalar_type(), "dst and src differ in dtype");
@@ -244,4 +244,35 @@ torch::Tensor argmax_rows(torch::Tensor x) {
     }
   });
   return out;
+}
+
+// cache[slots[i] / block_size, slots[i] % block_size] = rows[i]: a step's new K (or V) rows
+// into their slots. cache: [num_blocks, block_size, KVH, D] as the attention kernels take it
+// (blocks may lie apart); rows: [n, KVH, D], each row contiguous, the rows themselves possibly
+// strided (a layer's K or V columns of its fused QKV output).
+void write_slots(torch::Tensor cache, torch::Tensor slots, torch::Tensor rows) {
+  tandem::check_paged_cache(cache, cache);
+  TORCH_CHECK(cache.scalar_type() == rows.scalar_type(), "cache and rows differ in dtype");
+  TORCH_CHECK(rows.dim() == 3 && rows.size(1) == cache.size(2) && rows.size(2) == cache.size(3) &&
+                  rows.stride(2) == 1 && (rows.size(1) == 1 || rows.stride(1) == rows.size(2)),
+              "rows must be [n, KVH, D] with each row contiguous");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  slots.numel() == rows.size(0),
+              "slots must be int64 [n], one slot per row");
+  const int64_t n = slots.numel(), bs = cache.size(1), limit = cache.size(0) * bs;
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(s[i] >= 0 && s[i] < limit, "slot ", s[i], " out of range");
+  }
+  const size_t es = cache.element_size();
+  const size_t row_bytes = static_cast<size_t>(cache.size(2) * cache.size(3)) * es;
+  const size_t block_bytes = static_cast<size_t>(cache.stride(0)) * es;
+  const size_t slot_bytes = static_cast<size_t>(cache.stride(1)) * es;
+  const size_t src_stride = static_cast<size_t>(rows.stride(0)) * es;
+  char* d = static_cast<char*>(cache.data_ptr());
+  const char* r = static_cast<const char*>(rows.data_ptr());
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(d + (s[i] / bs) * block_bytes + (s[i] % bs) * slot_bytes, r + i * src_stride,
+                row_bytes);
+  }
 }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "paged_cache.h"
 
 namespace {
 
@@ -17,14 +18,17 @@ template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
 
-// Calls fn(t, slot) for the sequence's tokens t = 0 .. len-1 in order, walking its block table
-// block by block (no division per token).
+// Calls fn(t, row) for the sequence's tokens t = 0 .. len-1 in order, row being the element
+// offset of token t's slot in the cache: blocks lie block_stride apart (a layer's K and V may
+// share one allocation, block by block), slots within one token_stride apart. It walks the
+// block table block by block (no division per token).
 template <typename Fn>
-inline void for_each_slot(const int64_t* table, int64_t len, int64_t block_size, Fn&& fn) {
+inline void for_each_slot(const int64_t* table, int64_t len, int64_t block_size,
+                          int64_t block_stride, int64_t token_stride, Fn&& fn) {
   for (int64_t blk = 0, t = 0; t < len; ++blk) {
-    const int64_t base = table[blk] * block_size;
+    const int64_t base = table[blk] * block_stride;
     const int64_t n = std::min(block_size, len - t);
-    for (int64_t i = 0; i < n; ++i, ++t) fn(t, base + i);
+    for (int64_t i = 0; i < n; ++i, ++t) fn(t, base + i * token_stride);
   }
 }
 
@@ -44,7 +48,7 @@ template <typename T, int64_t D_FIXED>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
                    const int64_t* lens, T* out, int64_t batch, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim_, int64_t block_size,
-                   int64_t table_width, float scale) {
+                   int64_t block_stride, int64_t table_width, float scale) {
   const int64_t D = D_FIXED ? D_FIXED : head_dim_;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * D;  // between slots of the cache
@@ -62,8 +66,8 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       for (int64_t i = 0; i < rows * D; ++i) qf[i] = to_float(qb[i]) * scale;
       scores.resize(rows * len);
       float* sc = scores.data();
-      for_each_slot(table, len, block_size, [&](int64_t t, int64_t slot) {
-        const T* krow = k_cache + slot * token_stride + h0 * D;
+      for_each_slot(table, len, block_size, block_stride, token_stride, [&](int64_t t, int64_t row) {
+        const T* krow = k_cache + row + h0 * D;
         for (int64_t hh = 0, r = 0; hh < heads_per_item; ++hh) {
           const T* kp = krow + hh * D;
           for (int64_t g = 0; g < group; ++g, ++r) {
@@ -84,8 +88,8 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
         denom[r] = sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_slot(table, len, block_size, [&](int64_t t, int64_t slot) {
-        const T* vrow = v_cache + slot * token_stride + h0 * D;
+      for_each_slot(table, len, block_size, block_stride, token_stride, [&](int64_t t, int64_t row) {
+        const T* vrow = v_cache + row + h0 * D;
         for (int64_t i = 0; i < heads_per_item * D; ++i) vf[i] = to_float(vrow[i]);
         for (int64_t hh = 0, r = 0; hh < heads_per_item; ++hh) {
           const float* vp = vf.data() + hh * D;
@@ -115,7 +119,7 @@ template <int D, int G>
 void decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                  const int64_t* tables, const int64_t* lens, uint16_t* out, int64_t batch,
                  int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                 int64_t table_width, float scale) {
+                 int64_t block_stride, int64_t table_width, float scale) {
   constexpr int kC = D / 32;  // bf16 vectors per row
   constexpr int kV = D / 16;  // fp32 vectors per row
   const int64_t token_stride = num_kv_heads * D;
@@ -137,8 +141,8 @@ void decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
         for (int g = 0; g < G; ++g)
           for (int c = 0; c < kC; ++c)
             qz[g][c] = (__m512bh)_mm512_loadu_si512(qb + g * D + c * 32);
-        for_each_slot(table, len, block_size, [&](int64_t t, int64_t slot) {
-          const uint16_t* krow = k_cache + slot * token_stride + (h0 + hh) * D;
+        for_each_slot(table, len, block_size, block_stride, token_stride, [&](int64_t t, int64_t row) {
+          const uint16_t* krow = k_cache + row + (h0 + hh) * D;
           __m512bh k[kC];
           for (int c = 0; c < kC; ++c) k[c] = (__m512bh)_mm512_loadu_si512(krow + c * 32);
           for (int g = 0; g < G; ++g) {
@@ -171,8 +175,8 @@ void decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
         __m512 a[G][kV];
         for (int g = 0; g < G; ++g)
           for (int c = 0; c < kV; ++c) a[g][c] = _mm512_setzero_ps();
-        for_each_slot(table, len, block_size, [&](int64_t t, int64_t slot) {
-          const uint16_t* vrow = v_cache + slot * token_stride + (h0 + hh) * D;
+        for_each_slot(table, len, block_size, block_stride, token_stride, [&](int64_t t, int64_t row) {
+          const uint16_t* vrow = v_cache + row + (h0 + hh) * D;
           __m512 v[kV];
           for (int c = 0; c < kV; ++c) v[c] = tandem::load_bf16_x16(vrow + c * 16);
           for (int g = 0; g < G; ++g) {
@@ -195,10 +199,13 @@ void decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
 template <int D>
 bool decode_bf16_for_group(int64_t group, const uint16_t* q, const uint16_t* k, const uint16_t* v,
                            const int64_t* tables, const int64_t* lens, uint16_t* out, int64_t B,
-                           int64_t H, int64_t KVH, int64_t bs, int64_t width, float scale) {
+                           int64_t H, int64_t KVH, int64_t bs, int64_t bstride, int64_t width,
+                           float scale) {
   switch (group) {
-#define TANDEM_GROUP(G) \
-    case G: decode_bf16<D, G>(q, k, v, tables, lens, out, B, H, KVH, bs, width, scale); return true;
+#define TANDEM_GROUP(G)                                                                    \
+    case G:                                                                                \
+      decode_bf16<D, G>(q, k, v, tables, lens, out, B, H, KVH, bs, bstride, width, scale); \
+      return true;
     TANDEM_GROUP(1) TANDEM_GROUP(2) TANDEM_GROUP(3) TANDEM_GROUP(4)
     TANDEM_GROUP(5) TANDEM_GROUP(6) TANDEM_GROUP(7) TANDEM_GROUP(8)
 #undef TANDEM_GROUP
@@ -216,20 +223,22 @@ bool try_decode_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
   auto u16 = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
   const auto* tp = tables.data_ptr<int64_t>();
   const auto* lp = lens.data_ptr<int64_t>();
+  const int64_t bstride = k_cache.stride(0);
   if (D == 64)
     return decode_bf16_for_group<64>(group, u16(q), u16(k_cache), u16(v_cache), tp, lp, u16(out),
-                                     B, H, KVH, bs, tables.size(1), scale);
+                                     B, H, KVH, bs, bstride, tables.size(1), scale);
   if (D == 128)
     return decode_bf16_for_group<128>(group, u16(q), u16(k_cache), u16(v_cache), tp, lp,
-                                      u16(out), B, H, KVH, bs, tables.size(1), scale);
+                                      u16(out), B, H, KVH, bs, bstride, tables.size(1), scale);
   return false;
 }
 #endif
 
 }  // namespace
 
-// q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]; tables: [B, W] int64;
-// lens: [B] int64 (tokens in cache, >= 1). Returns [B, H, D].
+// q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D], each block contiguous and
+// both with the same strides (blocks may lie further apart, see tandem::check_paged_cache);
+// tables: [B, W] int64; lens: [B] int64 (tokens in cache, >= 1). Returns [B, H, D].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor tables,
                                      torch::Tensor lens, double scale) {
@@ -238,9 +247,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   q = q.contiguous();
   tables = tables.to(torch::kLong).contiguous();
   lens = lens.to(torch::kLong).contiguous();
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache must be contiguous");
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == q.scalar_type(),
-              "v_cache must match k_cache");
+  tandem::check_paged_cache(k_cache, v_cache);
   auto out = torch::empty_like(q);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), KVH = k_cache.size(2);
@@ -260,7 +267,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
     auto run = [&](auto kernel) {
       kernel(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
              tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B,
-             H, KVH, D, bs, tables.size(1), static_cast<float>(scale));
+             H, KVH, D, bs, k_cache.stride(0), tables.size(1), static_cast<float>(scale));
     };
     if (D == 64) run(decode_kernel<scalar_t, 64>);
     else if (D == 128) run(decode_kernel<scalar_t, 128>);

@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "cpu_math.h"
+#include "paged_cache.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -34,8 +35,8 @@ constexpr int kRows = 8;       // query rows per tile
 // Copies keys and values kb * 32 .. kb * 32 + 31 of one KV head out of the paged cache into
 // the packed layouts (zeros from `len` on, so padded keys score 0 and weigh nothing).
 void pack_head(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
-               int64_t block_size, int64_t num_kv_heads, int64_t kvh, int64_t D, int64_t len,
-               int64_t kb, uint16_t* kp, uint16_t* vp) {
+               int64_t block_size, int64_t block_stride, int64_t num_kv_heads, int64_t kvh,
+               int64_t D, int64_t len, int64_t kb, uint16_t* kp, uint16_t* vp) {
   for (int64_t t = 0; t < kKeys; ++t) {
     const int64_t j = kb * kKeys + t;
     uint16_t* vdst = vp + (j / 2) * D * 2 + (j % 2);
@@ -44,9 +45,9 @@ void pack_head(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* 
       for (int64_t d = 0; d < D; ++d) vdst[d * 2] = 0;
       continue;
     }
-    const int64_t slot = table[j / block_size] * block_size + j % block_size;
-    const uint16_t* krow = k_cache + (slot * num_kv_heads + kvh) * D;
-    const uint16_t* vrow = v_cache + (slot * num_kv_heads + kvh) * D;
+    const int64_t row = table[j / block_size] * block_stride + (j % block_size) * num_kv_heads * D;
+    const uint16_t* krow = k_cache + row + kvh * D;
+    const uint16_t* vrow = v_cache + row + kvh * D;
     for (int64_t d = 0; d < D; ++d) kp[(d / 2) * kKeys * 2 + t * 2 + d % 2] = krow[d];
     for (int64_t d = 0; d < D; ++d) vdst[d * 2] = vrow[d];
   }
@@ -149,13 +150,14 @@ void prefill_tile(const uint16_t* q, int64_t q_stride, int64_t h, int64_t p0, in
 template <int D>
 void prefill(const uint16_t* q, int64_t q_stride, int64_t q_len, int64_t num_heads,
              const uint16_t* k_cache, const uint16_t* v_cache, int64_t block_size,
-             int64_t num_kv_heads, const int64_t* table, int64_t ctx_len, float scale,
+             int64_t block_stride, int64_t num_kv_heads, const int64_t* table, int64_t ctx_len,
+             float scale,
              uint16_t* out, uint16_t* kp, uint16_t* vp, int64_t key_blocks) {
   const int64_t head_k = key_blocks * (D / 2) * kKeys * 2;  // packed elements per KV head
   at::parallel_for(0, num_kv_heads * key_blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t kvh = b / key_blocks, kb = b % key_blocks;
-      pack_head(k_cache, v_cache, table, block_size, num_kv_heads, kvh, D, ctx_len, kb,
+      pack_head(k_cache, v_cache, table, block_size, block_stride, num_kv_heads, kvh, D, ctx_len, kb,
                 kp + kvh * head_k + kb * (D / 2) * kKeys * 2, vp + kvh * head_k);
     }
   });
@@ -188,18 +190,17 @@ bool prefill_attention_bf16_supported(int64_t head_dim) {
 }
 
 // q: [q_len, H, D] bf16 (rows may be strided, heads contiguous); k_cache, v_cache:
-// [blocks, block_size, KVH, D] bf16 holding the sequence's first ctx_len tokens, this chunk's
-// included; block_table: [>= ctx_len / block_size] int64. Returns [q_len, H, D].
+// [blocks, block_size, KVH, D] bf16 (as paged_decode_attention's) holding the sequence's first
+// ctx_len tokens, this chunk's included; block_table: [>= ctx_len / block_size] int64.
+// Returns [q_len, H, D].
 torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, int64_t ctx_len, double scale) {
 #if defined(__AVX512BF16__)
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kBFloat16 && q.stride(2) == 1 &&
                   q.stride(1) == q.size(2),
               "q must be [T, H, D] bf16 with each row's heads contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16 && k_cache.is_contiguous() &&
-                  v_cache.scalar_type() == torch::kBFloat16 && v_cache.is_contiguous() &&
-                  k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "the caches must be contiguous bf16 [blocks, block_size, KVH, D]");
+  TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "the caches must be bf16");
+  tandem::check_paged_cache(k_cache, v_cache);
   TORCH_CHECK(block_table.scalar_type() == torch::kLong && block_table.is_contiguous(),
               "block_table must be contiguous int64");
   const int64_t q_len = q.size(0), H = q.size(1), D = q.size(2);
@@ -222,11 +223,13 @@ torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k_cache, tor
   auto* kpp = reinterpret_cast<uint16_t*>(kp.data_ptr());
   auto* vpp = reinterpret_cast<uint16_t*>(vp.data_ptr());
   if (D == 64)
-    prefill<64>(u16(q), q.stride(0), q_len, H, u16(k_cache), u16(v_cache), block_size, KVH,
-                table, ctx_len, static_cast<float>(scale), o, kpp, vpp, key_blocks);
+    prefill<64>(u16(q), q.stride(0), q_len, H, u16(k_cache), u16(v_cache), block_size,
+                k_cache.stride(0), KVH, table, ctx_len, static_cast<float>(scale), o, kpp, vpp,
+                key_blocks);
   else
-    prefill<128>(u16(q), q.stride(0), q_len, H, u16(k_cache), u16(v_cache), block_size, KVH,
-                 table, ctx_len, static_cast<float>(scale), o, kpp, vpp, key_blocks);
+    prefill<128>(u16(q), q.stride(0), q_len, H, u16(k_cache), u16(v_cache), block_size,
+                 k_cache.stride(0), KVH, table, ctx_len, static_cast<float>(scale), o, kpp, vpp,
+                 key_blocks);
   return out;
 #else
   TORCH_CHECK(false, "prefill_attention_bf16 needs a CPU with AVX512-BF16");
