@@ -49,7 +49,12 @@ class KVChannel(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Release the link; safe to call twice and after errors."""
+        """Release the link; safe to call twice and after errors. Operations already posted
+        may still complete (gloo does not cancel them): see `is_complete`."""
+
+    def settle(self, handles: list, timeout_s: float) -> None:
+        """Return once none of these posted, then abandoned, receives can write into its
+        buffer any more. Here receives land only in `wait`: nothing to do."""
 
     def send(self, tensors: list[torch.Tensor], timeout_s: float) -> None:
         for h in [self.post_send(t) for t in tensors]:
@@ -98,11 +103,13 @@ class PagedBlocks:
 
 @dataclass(frozen=True)
 class TransferPlan:
-    """How a transfer was cut: segment lengths, and the blocks staged on each side."""
+    """How a transfer was cut: segment lengths, the blocks staged on each side, and those
+    staged on either (each counted once)."""
 
     segments: tuple[int, ...]
     staged_send: int
     staged_recv: int
+    staged_either: int
 
 
 class _Placed:
@@ -134,16 +141,15 @@ class _Placed:
                 yield buf[offset : offset + n], index
 
 
-def _staged_in(runs_: list[int], segments: list[int]) -> int:
-    """Blocks of the segments that do not lie within one of these runs."""
+def _staged_in(runs_: list[int], segments: list[int]) -> list[bool]:
+    """For each segment, whether it does not lie within one of these runs."""
     edges, edge = set(), 0
     for r in runs_:
         edge += r
         edges.add(edge)
-    staged, offset = 0, 0
+    staged, offset = [], 0
     for n in segments:
-        if any(e in edges for e in range(offset + 1, offset + n)):
-            staged += n
+        staged.append(any(e in edges for e in range(offset + 1, offset + n)))
         offset += n
     return staged
 
@@ -188,18 +194,25 @@ def send_kv(
                 torch.index_select(cache, 0, index, out=blocks)
             handles.append(channel.post_send(blocks))
     ok, payload = verdict() if verdict is not None else (True, b"")
-    tail = [t.to(dev) for t in trailer(ok, payload)]  # queued behind the layers, in order
-    handles += [channel.post_send(t) for t in tail]
-    ack = torch.zeros(1, dtype=torch.int64, device=dev)
-    handles.append(channel.post_recv(ack))
     for h in handles:
         channel.wait(h, timeout_s)
+    # Only once every layer has left: a trailer saying OK must never follow a send that failed.
+    channel.send([t.to(dev) for t in trailer(ok, payload)], timeout_s)
+    ack = torch.zeros(1, dtype=torch.int64, device=dev)
+    channel.recv([ack], timeout_s)
     if not ok:
         reason = payload.decode(errors="replace")
         raise TransferAborted(f"the KV of {desc.request_id} was aborted: {reason}")
     if ack.item() != ACK_OK:
         raise TransferError(f"receiver refused the KV of {desc.request_id} (status {ack.item()})")
-    return TransferPlan(tuple(segments), placed.staged, _staged_in(theirs, segments))
+    here = [start is None for _, _, start, _ in placed.parts]
+    there = _staged_in(theirs, segments)
+    return TransferPlan(
+        tuple(segments),
+        placed.staged,
+        sum(n for n, s in zip(segments, there) if s),
+        sum(n for n, a, b in zip(segments, here, there) if a or b),
+    )
 
 
 def recv_kv(
@@ -215,6 +228,10 @@ def recv_kv(
     answer with our placement, read the layers and the trailer, ack. Returns the header and the
     trailer's payload; TransferAborted if the sender aborted.
 
+    A failure raises TransferError (and closes the channel) with `pending`: the receives
+    already posted, which gloo does not cancel: until `channel.settle(pending)` returns,
+    late bytes may still land in their buffers, the target's blocks among them.
+
     `target(desc)` gives the blocks the request's KV goes into, or None to refuse a request
     we do not expect (its bytes are then read into `staging` and dropped). A segment that is
     one run of the target's blocks lands in the cache in place; any other lands in `staging`
@@ -225,6 +242,32 @@ def recv_kv(
     header = empty_header().to(device)
     channel.recv([header], timeout_s)
     desc = TransferDescriptor.decode(header.cpu(), layout)
+    posted: list = []  # receives posted, not yet waited for: after a failure they may land
+    try:
+        payload, aborted, ok = _recv_payload(
+            channel, layout, timeout_s, device, desc, target, staging, on_layer, posted
+        )
+    except Exception as e:
+        err = (
+            e
+            if isinstance(e, TransferError)
+            else TransferError(f"receiving the KV of {desc.request_id} failed: {e}")
+        )
+        err.pending = posted
+        channel.close()  # out of step for good
+        raise err from (None if err is e else e)
+    # Every byte was read and acked: the pair is in step whatever the verdict.
+    if aborted:
+        reason = payload.decode(errors="replace")
+        raise TransferAborted(f"the sender aborted the KV of {desc.request_id}: {reason}")
+    if not ok:
+        raise TransferError(f"refused KV for {desc.request_id}: no reservation matches it")
+    return desc, payload
+
+
+def _recv_payload(channel, layout, timeout_s, device, desc, target, staging, on_layer, posted):
+    """recv_kv after the header: (the trailer's payload, whether it aborts, whether we took
+    the KV). `posted` holds the receives it has posted and not yet waited for."""
     n = desc.num_blocks
     side = target(desc) if target is not None else None
     ok = target is None or side is not None
@@ -247,18 +290,20 @@ def recv_kv(
         cache = side.layer(i) if side is not None else None
         parts = list(placed.tensors(cache, bufs[i] if bufs else None))
         handles = [channel.post_recv(blocks) for blocks, _ in parts]
+        posted += handles
         layers.append((cache, parts, handles))
     head = torch.zeros(2, dtype=torch.int64, device=device)
     head_handle = channel.post_recv(head)
+    posted.append(head_handle)
     for i, (cache, parts, handles) in enumerate(layers):
         for h in handles:
-            channel.wait(h, timeout_s)
+            _wait_posted(channel, h, timeout_s, posted)
         for blocks, index in parts:
             if index is not None:  # staged: scattered into place
                 _scatter(side, cache, index, blocks)
         if ok and on_layer is not None:
             on_layer(i)
-    channel.wait(head_handle, timeout_s)
+    _wait_posted(channel, head_handle, timeout_s, posted)
     status, size = head.tolist()
     if status not in (TRAILER_OK, TRAILER_ABORTED) or not 0 <= size <= TRAILER_MAX_BYTES:
         raise TransferError(f"bad KV trailer for {desc.request_id}: status {status}, {size} B")
@@ -269,12 +314,15 @@ def recv_kv(
     channel.send(
         [torch.tensor([ACK_OK if ok else ACK_REFUSED], dtype=torch.int64, device=device)], timeout_s
     )
-    if status == TRAILER_ABORTED:
-        reason = payload.decode(errors="replace")
-        raise TransferAborted(f"the sender aborted the KV of {desc.request_id}: {reason}")
-    if not ok:
-        raise TransferError(f"refused KV for {desc.request_id}: no reservation matches it")
-    return desc, payload
+    return payload, status == TRAILER_ABORTED, ok
+
+
+def _wait_posted(channel: KVChannel, handle, timeout_s: float, posted: list) -> None:
+    """Wait for a posted receive; done or failed, it is no longer pending."""
+    try:
+        channel.wait(handle, timeout_s)
+    finally:  # by identity: a handle may be a tensor, whose == compares elements
+        del posted[next(i for i, h in enumerate(posted) if h is handle)]
 
 
 def _scatter(side: PagedBlocks, cache: torch.Tensor, index: torch.Tensor, rows) -> None:

@@ -86,6 +86,16 @@ class PairGroup(KVChannel):
             self.close()
             raise TransferError(f"transfer on pair {self.prefix} failed: {e}") from e
 
+    def settle(self, handles, timeout_s):
+        """Closing a gloo group does not cancel its posted receives: a peer still sending
+        completes them. Each is waited for here: it lands, or its wait fails, and a failed
+        wait (a timeout included) breaks the connection, after which nothing lands at all."""
+        for h in handles:
+            try:
+                h.wait(datetime.timedelta(seconds=timeout_s))
+            except Exception:  # over: the connection is gone
+                log.debug("pair %s: an abandoned receive ended", self.prefix, exc_info=True)
+
     def _post(self, fn, what: str):
         if self._closed:
             raise TransferError(f"pair group {self.prefix} is closed")
@@ -103,6 +113,7 @@ class PairGroup(KVChannel):
             self.pg.abort() if hasattr(self.pg, "abort") else None
         except Exception:  # the group is being dropped either way
             log.debug("abort of pair group %s raised", self.prefix, exc_info=True)
+        self.pg = None  # receives already posted may still complete: see settle
 
 
 def _nccl_group(store, rank: int, timeout: datetime.timedelta):

@@ -98,6 +98,7 @@ class DecodeWorker(WorkerBase):
         # arrives mid-transfer is applied once the transfer ends.
         self._receiving: set[str] = set()
         self._cancel_after_receive: set[str] = set()
+        self._fail_after_receive: dict[str, tuple[int, str]] = {}  # the sender gave up meanwhile
         self._pair_lock = threading.Lock()
         self._held: dict[str, _Held] = {}  # the loop thread's alone
         self.relay = TokenRelay(name, token_log, on_fenced=self._fenced)
@@ -132,6 +133,9 @@ class DecodeWorker(WorkerBase):
         if held is not None:
             if held.attempt >= attempt:
                 return None
+            with self._pair_lock:
+                if rid in self._receiving:  # the older attempt's KV is still landing
+                    return None
             self._drop(rid)
         n = self.engine.reserve(rid, num_tokens)
         if n is None:
@@ -168,6 +172,7 @@ class DecodeWorker(WorkerBase):
         """Receive one request's KV and first tokens on the pair with `prefill`, then admit
         the request."""
         rid = spec.request_id
+        blocks = None
         with self._pair_lock:
             current = self.pairs.get(prefill)
             self._receiving.add(rid)
@@ -199,7 +204,11 @@ class DecodeWorker(WorkerBase):
             )
             first = decode_first(payload)
             seconds = time.perf_counter() - t0
-            if self._done_receiving(rid):  # cancelled meanwhile
+            cancelled, failed = self._done_receiving(rid)
+            if failed is not None:  # the sender gave up meanwhile: its report stands
+                self.on_loop(self._fail, rid, *failed)
+                return PushResult(rid, False, error=failed[1])
+            if cancelled:
                 self.on_loop(self._drop, rid)
                 return PushResult(rid, True, seconds)
             self.on_loop(self._admit, spec, first)
@@ -210,12 +219,43 @@ class DecodeWorker(WorkerBase):
             broken = isinstance(e, TransferError) and not isinstance(e, TransferAborted)
             if current is not None and broken:
                 self._drop_pair(prefill, current[0])
+            pending = getattr(e, "pending", None)
+            if pending and current is not None:
+                self._quarantine(rid, prefill, current[1], blocks, pending)
             self._done_receiving(rid)
             self.loop.call(self._fail, rid, spec.attempt, message)
             return PushResult(rid, False, error=message)
 
+    def _quarantine(self, rid: str, prefill: str, group, blocks, pending) -> None:
+        """A transfer failed with receives still posted, and gloo does not cancel them: late
+        bytes may yet land in the reserved blocks or in the pair's staging buffers. The
+        blocks are held (an extra reference, so failing the request does not free them) until
+        those receives can no longer write; the staging buffers are left to them."""
+        with self._pair_lock:
+            self.staging.pop(prefill, None)
+        if blocks is None:  # the staging buffers stay with the receives
+            return
+        try:
+            self.on_loop(self.engine.hold_kv, blocks)
+        except RuntimeError as e:  # not held any more: nothing to keep
+            log.warning("request %s: cannot hold its KV blocks after a failed transfer: %s", rid, e)
+            return
+
+        def release() -> None:
+            group.settle(pending, self.transfer_timeout_s)
+            self.loop.call(self.engine.release_kv, blocks)
+            log.info("request %s: %d quarantined KV blocks released", rid, len(blocks))
+
+        threading.Thread(target=release, name=f"{self.name}-quarantine", daemon=True).start()
+
     def fail_request(self, request_id: str, attempt: int, message: str) -> None:
-        """The sender gave up on this attempt's KV: free the reservation, report UNAVAILABLE."""
+        """The sender gave up on this attempt's KV: free the reservation, report UNAVAILABLE.
+        If the KV is still arriving, that happens once the transfer is over: its blocks may
+        still be written until then."""
+        with self._pair_lock:
+            if request_id in self._receiving:
+                self._fail_after_receive[request_id] = (attempt, message)
+                return
         self.on_loop(self._fail, request_id, attempt, message)
 
     def _reserved_blocks(self, rid: str, attempt: int) -> list[int] | None:
@@ -225,14 +265,14 @@ class DecodeWorker(WorkerBase):
         held.reserved_until = float("inf")  # the KV is arriving: no longer expires
         return self.engine.reserved_blocks(rid)
 
-    def _done_receiving(self, rid: str) -> bool:
-        """The transfer for rid is over; True if it was cancelled meanwhile."""
+    def _done_receiving(self, rid: str) -> tuple[bool, tuple[int, str] | None]:
+        """The transfer for rid is over: whether it was cancelled meanwhile, and the failure
+        its sender reported meanwhile (attempt, message), if any."""
         with self._pair_lock:
             self._receiving.discard(rid)
-            if rid in self._cancel_after_receive:
-                self._cancel_after_receive.discard(rid)
-                return True
-            return False
+            cancelled = rid in self._cancel_after_receive
+            self._cancel_after_receive.discard(rid)
+            return cancelled, self._fail_after_receive.pop(rid, None)
 
     # -- on the loop thread -----------------------------------------------------------------
     def _admit(self, spec: RequestSpec, first: tuple[FirstToken, ...]) -> None:

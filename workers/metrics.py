@@ -122,8 +122,8 @@ class WorkerMetrics:
         )
         self.transfer_staged = counter(
             "tandem_kv_transfer_staged_bytes_total",
-            "KV bytes pushed that were copied through a staging buffer (gathered on the"
-            " sender or scattered on the receiver: their blocks were not in one run)",
+            "KV bytes pushed that went through a staging buffer (gathered on the sender,"
+            " scattered on the receiver, or both: their blocks were not in one run)",
             t,
         )
         self._last: dict[str, int] = {}

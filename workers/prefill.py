@@ -287,7 +287,7 @@ class PrefillWorker(WorkerBase):
         if not (push.cancelled or push.first_failed):  # only real transfers count
             per_block = self.layout.bytes_per_block
             plan = push.plan
-            staged = (plan.staged_send + plan.staged_recv) * per_block if plan else 0
+            staged = plan.staged_either * per_block if plan else 0
             self.metrics.transfer(len(push.blocks) * per_block, result.seconds, result.ok, staged)
         with self._lock:
             entry = self._pushes.get(push.request_id)

@@ -160,6 +160,10 @@ def test_kernel_numerics_against_a_dense_reference(dtype, tol, d, batch, group, 
         torch.testing.assert_close(out[b].float(), want, atol=tol, rtol=tol)
     with pytest.raises(RuntimeError, match="outside 1.."):
         kernel.paged_decode_attention(q, k_cache, v_cache, tables, lens * 0, d**-0.5)
+    bad = tables.clone()
+    bad[0, 0] = blocks  # one past the cache: refused, not read
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel.paged_decode_attention(q, k_cache, v_cache, bad, lens, d**-0.5)
 
 
 def _cache_pair(make, blocks, bs, kvh, d, dtype, paired):

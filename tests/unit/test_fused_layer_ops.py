@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from tests.reference import engine_logits, run_engine
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
-from workers.engine.model_runner import gather_layer, scatter_layer
+from workers.engine.model_runner import scatter_rows
 from workers.engine.request import SamplingParams
 from workers.model.cpu_kernels import cpu_kernels
 from workers.model.llama import RMSNorm
@@ -26,18 +26,18 @@ def ops():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scatter_blocks_matches_index_copy_and_checks_ids(ops, dtype):
-    """A KV transfer's layer into its reserved blocks: the same bytes as index_copy_."""
-    cache = torch.randn(40, 4, 3, 16).to(dtype)
-    layer = torch.randn(2, 5, 4, 3, 16).to(dtype)
-    blocks = [31, 2, 17, 39, 0]
-    k, v = cache.clone(), cache.clone()
-    scatter_layer((k, v), blocks, layer, ops)
-    want_k, want_v = cache.clone(), cache.clone()
-    scatter_layer((want_k, want_v), blocks, layer, None)  # the index_copy_ path
-    assert torch.equal(k, want_k) and torch.equal(v, want_v)
-    assert torch.equal(gather_layer((k, v), blocks), layer)
+    """A KV transfer's staged blocks (K and V side by side) into their reserved blocks:
+    the same bytes as index_copy_."""
+    cache = torch.randn(40, 2, 4, 3, 16).to(dtype)
+    staged = torch.randn(5, 2, 4, 3, 16).to(dtype)
+    blocks = torch.tensor([31, 2, 17, 39, 0])
+    got = cache.clone()
+    scatter_rows(got, blocks, staged, ops)
+    want = cache.clone()
+    scatter_rows(want, blocks, staged, None)  # the index_copy_ path
+    assert torch.equal(got, want) and torch.equal(got[blocks], staged)
     with pytest.raises(RuntimeError, match="out of range"):
-        ops.scatter_blocks(k, torch.tensor([40]), layer[0, :1])
+        ops.scatter_blocks(got, torch.tensor([40]), staged[:1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

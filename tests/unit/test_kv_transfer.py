@@ -132,6 +132,7 @@ def test_blocks_land_where_they_belong_in_place_or_staged(src_ids, dst_ids, segm
     desc = TransferDescriptor("r1", LAYOUT, n, n * LAYOUT.block_size - 1)
     plan = round_trip(a, b, desc, src_ids, dst_ids)
     assert (plan.segments, (plan.staged_send, plan.staged_recv)) == (segments, staged)
+    assert plan.staged_either == max(staged)  # here a segment staged on both counts once
 
 
 def test_in_process_refusal():
@@ -309,3 +310,59 @@ def test_a_stopped_sender_gives_back_every_push_it_will_never_send():
     sender.submit(Push(spec, [7], desc, LayerProgress(LAYOUT.num_layers, torch.device("cpu"))))
     assert released == [[7]]
     assert [(rid, r.ok, r.error) for rid, r in done] == [("r1", False, "sender stopped")]
+
+
+def test_a_receiver_that_gives_up_settles_its_posted_receives_before_the_blocks_go():
+    """gloo does not cancel a posted receive when its group is closed. A receiver that fails
+    mid-transfer (here its own code raises after the first layer, the connection still up)
+    gets the receives still posted; the sender's later layers do land in the cache, and
+    `settle` returns only once they have. The decode worker frees the blocks after it."""
+    server = store_server("127.0.0.1")
+    sender, receiver = _pair(server.port, server, "pair/late/1")
+    desc = TransferDescriptor("r1", LAYOUT, 4, 15)
+    src, dst = make_cache(seed=1), make_cache()
+    go = threading.Event()
+
+    def produce(i):
+        if i == 1:  # the rest of the prefill comes after the receiver has given up
+            assert go.wait(10)
+        return src[i]
+
+    def landed(i):
+        raise RuntimeError("the receiver broke")
+
+    send = _in_thread(lambda: send_kv(sender, desc, PagedBlocks([0, 1, 2, 3], produce), 3.0))
+    with pytest.raises(TransferError, match="the receiver broke") as failed:
+        recv_kv(receiver, LAYOUT, 5, target=lambda d: paged(dst, [8, 9, 10, 11]), on_layer=landed)
+    settled = _in_thread(lambda: receiver.settle(failed.value.pending, 5.0))
+    go.set()
+    assert settled(10) is None
+    assert torch.equal(dst[2][8:12], src[2][0:4])  # written after the receiver gave up
+    assert isinstance(send(15), TransferError)  # no ack ever comes
+    sender.close()
+
+
+def test_after_a_receive_timeout_nothing_lands_and_settle_returns_at_once():
+    """A receive that times out breaks gloo's connection: the receives posted after it fail
+    at once, and the sender's later layers never land."""
+    server = store_server("127.0.0.1")
+    sender, receiver = _pair(server.port, server, "pair/late/2")
+    desc = TransferDescriptor("r1", LAYOUT, 4, 15)
+    src, dst = make_cache(seed=1), make_cache()
+    go = threading.Event()
+
+    def produce(i):
+        if i == 1:
+            assert go.wait(10)
+        return src[i]
+
+    send = _in_thread(lambda: send_kv(sender, desc, PagedBlocks([0, 1, 2, 3], produce), 3.0))
+    with pytest.raises(TransferError, match="Timed out") as failed:
+        recv_kv(receiver, LAYOUT, 1.0, target=lambda d: paged(dst, [8, 9, 10, 11]))
+    go.set()
+    assert isinstance(send(15), TransferError)  # the connection is gone
+    t0 = time.monotonic()
+    receiver.settle(failed.value.pending, 5.0)
+    assert time.monotonic() - t0 < 2.5
+    assert not dst[1][8:12].any() and not dst[2][8:12].any()  # nothing landed late
+    sender.close()

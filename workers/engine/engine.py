@@ -260,13 +260,14 @@ class LLMEngine:
         self.runner.write_blocks(cache, block_ids, rows)
 
     def import_kv_layer(self, layer: int, block_ids, data: torch.Tensor) -> None:
-        """Write one layer of a transfer into reserved blocks (nothing reads them yet)."""
+        """Write `export_kv_layer`'s copy of one layer into reserved blocks (nothing reads
+        them yet)."""
         self.runner.import_layer(layer, block_ids, data)
 
     def export_kv_layer(
         self, layer: int, block_ids, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """One layer of held blocks as `[2, n, block_size, kv_heads, dim]` (into `out` if
+        """A copy of one layer of held blocks, `kv_layout.layer_shape(n)` (into `out` if
         given); thread-safe for a layer whose KV no step is writing any more."""
         return self.runner.export_layer(layer, block_ids, out)
 

@@ -114,13 +114,17 @@ class ModelRunner:
             layer.index_copy_(0, dst, layer.index_select(0, src))
 
     def export_layer(self, layer: int, block_ids, out: torch.Tensor | None = None) -> torch.Tensor:
-        """One layer of these blocks as a `[2, n, block_size, kv_heads, dim]` tensor (into
-        `out` if given): the payload of a KV transfer. The caller must hold the blocks."""
-        return gather_layer(self.kv_caches[layer], block_ids, out)
+        """A copy of one layer of these blocks, `layout.layer_shape(n)` (into `out` if
+        given). The caller must hold the blocks."""
+        cache = self.kv_layers[layer]
+        idx = torch.as_tensor(block_ids, dtype=torch.long, device=cache.device)
+        return torch.index_select(cache, 0, idx, out=out) if out is not None else cache[idx]
 
     def import_layer(self, layer: int, block_ids, data: torch.Tensor) -> None:
-        """Write one layer of a transfer's payload into reserved blocks."""
-        scatter_layer(self.kv_caches[layer], block_ids, data, self.model.ops)
+        """Write `export_layer`'s copy of one layer into (reserved) blocks."""
+        cache = self.kv_layers[layer]
+        idx = torch.as_tensor(block_ids, dtype=torch.long, device=cache.device)
+        scatter_rows(cache, idx, data.to(cache.device), self.model.ops)
 
     def write_blocks(self, cache: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> None:
         """Whole blocks into a layer's cache (`kv_layers`), at block ids `idx`."""
@@ -151,27 +155,6 @@ class ModelRunner:
             decode_context_lens=decode_lens,
             prefills=prefills,
         )
-
-
-def gather_layer(kv, block_ids, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One layer's (K, V) cache at these blocks (a list, or an int64 tensor on the cache's
-    device, built once for every layer), as `[2, n, block_size, kv_heads, dim]`."""
-    k, v = kv
-    idx = torch.as_tensor(block_ids, dtype=torch.long, device=k.device)
-    if out is None:
-        out = torch.empty((2, len(block_ids), *k.shape[1:]), dtype=k.dtype, device=k.device)
-    torch.index_select(k, 0, idx, out=out[0])
-    torch.index_select(v, 0, idx, out=out[1])
-    return out
-
-
-def scatter_layer(kv, block_ids, data: torch.Tensor, ops=None) -> None:
-    """The inverse of gather_layer."""
-    k, v = kv
-    idx = torch.as_tensor(block_ids, dtype=torch.long, device=k.device)
-    data = data.to(k.device)
-    scatter_rows(k, idx, data[0], ops)
-    scatter_rows(v, idx, data[1], ops)
 
 
 def scatter_rows(cache: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, ops=None) -> None:

@@ -66,7 +66,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, group: int, scale: float):
         tables = meta.decode_block_tables
-        if self.kernel is not None:
+        if self.kernel is not None and paged_blocks_contiguous(k_cache, v_cache):
             return self.kernel.paged_decode_attention(
                 q, k_cache, v_cache, tables, meta.decode_context_lens, scale
             )

@@ -157,6 +157,8 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 // dst[index[i]] = src[i] along dim 0, each slice copied whole: a KV transfer's blocks landing
 // in their reserved blocks. index_copy_ copies element by element, at a fifth of this speed.
 void scatter_blocks(torch::Tensor dst, torch::Tensor index, torch::Tensor src) {
+  TORCH_CHECK(dst.device().is_cpu() && src.device().is_cpu() && index.device().is_cpu(),
+              "scatter_blocks takes CPU tensors");
   TORCH_CHECK(dst.is_contiguous(), "dst must be contiguous");
   TORCH_CHECK(dst.scalar_type() == src.scalar_type(), "dst and src differ in dtype");
   TORCH_CHECK(dst.dim() >= 1 && src.dim() == dst.dim() &&
@@ -252,6 +254,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 // strided (a layer's K or V columns of its fused QKV output).
 void write_slots(torch::Tensor cache, torch::Tensor slots, torch::Tensor rows) {
   tandem::check_paged_cache(cache, cache);
+  TORCH_CHECK(rows.device().is_cpu() && slots.device().is_cpu(), "write_slots takes CPU tensors");
   TORCH_CHECK(cache.scalar_type() == rows.scalar_type(), "cache and rows differ in dtype");
   TORCH_CHECK(rows.dim() == 3 && rows.size(1) == cache.size(2) && rows.size(2) == cache.size(3) &&
                   rows.stride(2) == 1 && (rows.size(1) == 1 || rows.stride(1) == rows.size(2)),

@@ -254,10 +254,15 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "q heads/dim do not fit the cache's");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && lens.numel() == B,
               "tables must be [B, W] and lens [B]");
+  const int64_t* tp = tables.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     const int64_t len = lens.data_ptr<int64_t>()[b];
     TORCH_CHECK(len >= 1 && len <= tables.size(1) * bs, "sequence ", b, " has length ", len,
                 ", outside 1..", tables.size(1) * bs, " (its block table)");
+    for (int64_t i = 0; i < (len + bs - 1) / bs; ++i) {
+      const int64_t block = tp[b * tables.size(1) + i];
+      TORCH_CHECK(block >= 0 && block < k_cache.size(0), "block id ", block, " out of range");
+    }
   }
 #if defined(__AVX512BF16__)
   if (try_decode_bf16(q, k_cache, v_cache, tables, lens, out, static_cast<float>(scale)))
