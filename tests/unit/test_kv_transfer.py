@@ -312,26 +312,34 @@ def test_a_stopped_sender_gives_back_every_push_it_will_never_send():
     assert [(rid, r.ok, r.error) for rid, r in done] == [("r1", False, "sender stopped")]
 
 
-def test_a_receiver_that_gives_up_settles_its_posted_receives_before_the_blocks_go():
-    """gloo does not cancel a posted receive when its group is closed. A receiver that fails
-    mid-transfer (here its own code raises after the first layer, the connection still up)
-    gets the receives still posted; the sender's later layers do land in the cache, and
-    `settle` returns only once they have. The decode worker frees the blocks after it."""
+def _stalled_send(name: str):
+    """A gloo pair whose sender stops after the first layer until `go` is set (the rest of
+    its prefill comes after the receiver has given up)."""
     server = store_server("127.0.0.1")
-    sender, receiver = _pair(server.port, server, "pair/late/1")
+    sender, receiver = _pair(server.port, server, name)
     desc = TransferDescriptor("r1", LAYOUT, 4, 15)
     src, dst = make_cache(seed=1), make_cache()
     go = threading.Event()
 
     def produce(i):
-        if i == 1:  # the rest of the prefill comes after the receiver has given up
+        if i == 1:
             assert go.wait(10)
         return src[i]
+
+    send = _in_thread(lambda: send_kv(sender, desc, PagedBlocks([0, 1, 2, 3], produce), 3.0))
+    return sender, receiver, src, dst, go, send
+
+
+def test_a_receiver_that_gives_up_settles_its_posted_receives_before_the_blocks_go():
+    """gloo does not cancel a posted receive when its group is closed. A receiver that fails
+    mid-transfer (here its own code raises after the first layer, the connection still up)
+    gets the receives still posted; the sender's later layers do land in the cache, and
+    `settle` returns only once they have. The decode worker frees the blocks after it."""
+    sender, receiver, src, dst, go, send = _stalled_send("pair/late/1")
 
     def landed(i):
         raise RuntimeError("the receiver broke")
 
-    send = _in_thread(lambda: send_kv(sender, desc, PagedBlocks([0, 1, 2, 3], produce), 3.0))
     with pytest.raises(TransferError, match="the receiver broke") as failed:
         recv_kv(receiver, LAYOUT, 5, target=lambda d: paged(dst, [8, 9, 10, 11]), on_layer=landed)
     settled = _in_thread(lambda: receiver.settle(failed.value.pending, 5.0))
@@ -345,18 +353,7 @@ def test_a_receiver_that_gives_up_settles_its_posted_receives_before_the_blocks_
 def test_after_a_receive_timeout_nothing_lands_and_settle_returns_at_once():
     """A receive that times out breaks gloo's connection: the receives posted after it fail
     at once, and the sender's later layers never land."""
-    server = store_server("127.0.0.1")
-    sender, receiver = _pair(server.port, server, "pair/late/2")
-    desc = TransferDescriptor("r1", LAYOUT, 4, 15)
-    src, dst = make_cache(seed=1), make_cache()
-    go = threading.Event()
-
-    def produce(i):
-        if i == 1:
-            assert go.wait(10)
-        return src[i]
-
-    send = _in_thread(lambda: send_kv(sender, desc, PagedBlocks([0, 1, 2, 3], produce), 3.0))
+    sender, receiver, src, dst, go, send = _stalled_send("pair/late/2")
     with pytest.raises(TransferError, match="Timed out") as failed:
         recv_kv(receiver, LAYOUT, 1.0, target=lambda d: paged(dst, [8, 9, 10, 11]))
     go.set()
