@@ -248,8 +248,6 @@ def run_wire(args) -> list[dict]:
 
 def run_prefill(args) -> list[dict]:
     """The handoff's tail after real prefills, streamed and not, through the workers."""
-    import random
-
     import ray
 
     from workers.decode import DecodeWorker

@@ -50,7 +50,7 @@ class KVChannel(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the link; safe to call twice and after errors. Operations already posted
-        may still complete (gloo does not cancel them): see `is_complete`."""
+        may still complete (gloo does not cancel them): see `settle`."""
 
     def settle(self, handles: list, timeout_s: float) -> None:
         """Return once none of these posted, then abandoned, receives can write into its
@@ -114,20 +114,21 @@ class TransferPlan:
 
 class _Placed:
     """The segments on one side: each is either one run of that side's cache (moved in
-    place) or staged at its offset in the layer's staging buffer."""
+    place) or staged at its offset in the layer's staging buffer. Without block ids (a
+    refused transfer) every segment is staged and goes nowhere."""
 
     def __init__(self, block_ids: list[int] | None, segments: list[int], device) -> None:
         self.parts: list[tuple[int, int, int | None, torch.Tensor | None]] = []
+        staged = _staged_in(runs(block_ids), segments) if block_ids is not None else None
         offset = 0
-        for n in segments:
-            ids = block_ids[offset : offset + n] if block_ids is not None else None
-            if ids is not None and runs(ids) == [n]:
-                self.parts.append((offset, n, ids[0], None))
+        for j, n in enumerate(segments):
+            if staged is None:
+                self.parts.append((offset, n, None, None))
+            elif not staged[j]:
+                self.parts.append((offset, n, block_ids[offset], None))
             else:
-                index = None
-                if ids is not None:
-                    index = torch.tensor(ids, dtype=torch.long, device=device)
-                self.parts.append((offset, n, None, index))
+                ids = block_ids[offset : offset + n]
+                self.parts.append((offset, n, None, torch.tensor(ids, device=device)))
             offset += n
         self.staged = sum(n for _, n, start, _ in self.parts if start is None)
 
@@ -205,8 +206,7 @@ def send_kv(
         raise TransferAborted(f"the KV of {desc.request_id} was aborted: {reason}")
     if ack.item() != ACK_OK:
         raise TransferError(f"receiver refused the KV of {desc.request_id} (status {ack.item()})")
-    here = [start is None for _, _, start, _ in placed.parts]
-    there = _staged_in(theirs, segments)
+    here, there = _staged_in(mine, segments), _staged_in(theirs, segments)
     return TransferPlan(
         tuple(segments),
         placed.staged,

@@ -187,9 +187,8 @@ class DecodeWorker(WorkerBase):
             def target(d):
                 if d.request_id != rid or d.num_blocks > len(blocks):
                     return None
-                engine = self.engine
                 return PagedBlocks(
-                    blocks[: d.num_blocks], engine.kv_cache_layer, engine.write_kv_blocks
+                    blocks[: d.num_blocks], self.engine.kv_cache_layer, self.engine.write_kv_blocks
                 )
 
             # The KV lands in the reserved blocks, in place where they lie in runs; nothing

@@ -177,7 +177,7 @@ def _cache_pair(make, blocks, bs, kvh, d, dtype, paired):
 
 def _prefill_case(dtype, offset, q_len, d=16, bs=4, kvh=2, heads=6, seed=0, paired=False):
     """A prompt chunk after `offset` cached tokens, its K/V already in scattered blocks."""
-    from workers.model.attention.base import PrefillSlice, write_slots
+    from workers.model.attention.base import PrefillSlice, slot_index
 
     torch.manual_seed(seed)
     ctx = offset + q_len
@@ -187,8 +187,8 @@ def _prefill_case(dtype, offset, q_len, d=16, bs=4, kvh=2, heads=6, seed=0, pair
     table = torch.randperm(blocks)[: -(-ctx // bs)]
     k_cache, v_cache = _cache_pair(torch.zeros, blocks, bs, kvh, d, dtype, paired)
     slots = torch.tensor([int(table[i // bs]) * bs + i % bs for i in range(ctx)])
-    write_slots(k_cache, slots, k_all)
-    write_slots(v_cache, slots, v_all)
+    k_cache[slot_index(slots, bs)] = k_all
+    v_cache[slot_index(slots, bs)] = v_all
     part = PrefillSlice(0, q_len, ctx, table)
     return q, k_all, v_all, k_cache, v_cache, part
 

@@ -42,13 +42,20 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None
     # Flash-attn varlen inputs, built only by that backend.
     extra: dict | None = None
+    # (block, offset) of each row's slot, for writing K/V with torch ops (see slot_index).
+    slot_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def slot_index(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cache[meta.slot_index(bs)] = k` writes a step's new K rows into their slots (in a
+        cache whose blocks may lie apart); derived once a step, for every layer."""
+        if self.slot_blocks is None:
+            self.slot_blocks = slot_index(self.slot_mapping, block_size)
+        return self.slot_blocks
 
 
-def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """`cache[slot // block_size, slot % block_size] = row` for each row: a step's new K or V
-    rows into their slots (torch ops; the CPU kernels have a memcpy version)."""
-    block_size = cache.shape[1]
-    cache[torch.div(slots, block_size, rounding_mode="floor"), slots % block_size] = rows
+def slot_index(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot ids as (block, offset) index tensors into a `[blocks, block_size, ...]` cache."""
+    return torch.div(slots, block_size, rounding_mode="floor"), slots % block_size
 
 
 class AttentionBackend(ABC):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.model.attention.base import AttentionBackend, AttentionMetadata, write_slots
+from workers.model.attention.base import AttentionBackend, AttentionMetadata
 
 FLASH_PAGE_MULTIPLE = 256
 
@@ -40,8 +40,9 @@ class FlashAttentionBackend(AttentionBackend):
             )
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        write_slots(k_cache, meta.slot_mapping, k)
-        write_slots(v_cache, meta.slot_mapping, v)
+        index = meta.slot_index(k_cache.shape[1])
+        k_cache[index] = k
+        v_cache[index] = v
         if meta.extra is None:
             meta.extra = _varlen_inputs(meta, q.device)
         x = meta.extra

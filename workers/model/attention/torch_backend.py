@@ -16,12 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.model.attention.base import (
-    AttentionBackend,
-    AttentionMetadata,
-    PrefillSlice,
-    write_slots,
-)
+from workers.model.attention.base import AttentionBackend, AttentionMetadata, PrefillSlice
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -38,9 +33,13 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         group = q.shape[1] // k.shape[1]
-        write = self.kernel.write_slots if self.kernel is not None else write_slots
-        write(k_cache, meta.slot_mapping, k)
-        write(v_cache, meta.slot_mapping, v)
+        if self.kernel is not None:  # a memcpy per row
+            self.kernel.write_slots(k_cache, meta.slot_mapping, k)
+            self.kernel.write_slots(v_cache, meta.slot_mapping, v)
+        else:
+            index = meta.slot_index(k_cache.shape[1])
+            k_cache[index] = k
+            v_cache[index] = v
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:

@@ -66,7 +66,8 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       for (int64_t i = 0; i < rows * D; ++i) qf[i] = to_float(qb[i]) * scale;
       scores.resize(rows * len);
       float* sc = scores.data();
-      for_each_slot(table, len, block_size, block_stride, token_stride, [&](int64_t t, int64_t row) {
+      for_each_slot(table, len, block_size, block_stride, token_stride,
+                    [&](int64_t t, int64_t row) {
         const T* krow = k_cache + row + h0 * D;
         for (int64_t hh = 0, r = 0; hh < heads_per_item; ++hh) {
           const T* kp = krow + hh * D;
@@ -88,7 +89,8 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
         denom[r] = sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_slot(table, len, block_size, block_stride, token_stride, [&](int64_t t, int64_t row) {
+      for_each_slot(table, len, block_size, block_stride, token_stride,
+                    [&](int64_t t, int64_t row) {
         const T* vrow = v_cache + row + h0 * D;
         for (int64_t i = 0; i < heads_per_item * D; ++i) vf[i] = to_float(vrow[i]);
         for (int64_t hh = 0, r = 0; hh < heads_per_item; ++hh) {
@@ -141,7 +143,8 @@ void decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
         for (int g = 0; g < G; ++g)
           for (int c = 0; c < kC; ++c)
             qz[g][c] = (__m512bh)_mm512_loadu_si512(qb + g * D + c * 32);
-        for_each_slot(table, len, block_size, block_stride, token_stride, [&](int64_t t, int64_t row) {
+        for_each_slot(table, len, block_size, block_stride, token_stride,
+                      [&](int64_t t, int64_t row) {
           const uint16_t* krow = k_cache + row + (h0 + hh) * D;
           __m512bh k[kC];
           for (int c = 0; c < kC; ++c) k[c] = (__m512bh)_mm512_loadu_si512(krow + c * 32);
@@ -175,7 +178,8 @@ void decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
         __m512 a[G][kV];
         for (int g = 0; g < G; ++g)
           for (int c = 0; c < kV; ++c) a[g][c] = _mm512_setzero_ps();
-        for_each_slot(table, len, block_size, block_stride, token_stride, [&](int64_t t, int64_t row) {
+        for_each_slot(table, len, block_size, block_stride, token_stride,
+                      [&](int64_t t, int64_t row) {
           const uint16_t* vrow = v_cache + row + (h0 + hh) * D;
           __m512 v[kV];
           for (int c = 0; c < kV; ++c) v[c] = tandem::load_bf16_x16(vrow + c * 16);

@@ -151,14 +151,13 @@ template <int D>
 void prefill(const uint16_t* q, int64_t q_stride, int64_t q_len, int64_t num_heads,
              const uint16_t* k_cache, const uint16_t* v_cache, int64_t block_size,
              int64_t block_stride, int64_t num_kv_heads, const int64_t* table, int64_t ctx_len,
-             float scale,
-             uint16_t* out, uint16_t* kp, uint16_t* vp, int64_t key_blocks) {
+             float scale, uint16_t* out, uint16_t* kp, uint16_t* vp, int64_t key_blocks) {
   const int64_t head_k = key_blocks * (D / 2) * kKeys * 2;  // packed elements per KV head
   at::parallel_for(0, num_kv_heads * key_blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t kvh = b / key_blocks, kb = b % key_blocks;
-      pack_head(k_cache, v_cache, table, block_size, block_stride, num_kv_heads, kvh, D, ctx_len, kb,
-                kp + kvh * head_k + kb * (D / 2) * kKeys * 2, vp + kvh * head_k);
+      pack_head(k_cache, v_cache, table, block_size, block_stride, num_kv_heads, kvh, D,
+                ctx_len, kb, kp + kvh * head_k + kb * (D / 2) * kKeys * 2, vp + kvh * head_k);
     }
   });
   const int64_t offset = ctx_len - q_len, group = num_heads / num_kv_heads;
