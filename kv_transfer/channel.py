@@ -93,12 +93,14 @@ class StagingBuffers:
 class PagedBlocks:
     """One side's blocks for a transfer: their ids, in the order of the request's positions,
     and `layer(i)`, that layer's cache, `layout.layer_shape(cache_blocks)` (a block's K and V
-    side by side). On the sender `layer(i)` may block until the model has written layer i.
-    On the receiver, `scatter(cache, ids, blocks)` writes staged blocks into place."""
+    side by side). On the sender `layer(i)` may block until the model has written layer i,
+    and `gather(cache, ids, out)` copies blocks to be staged out of it (index_select when
+    None). On the receiver, `scatter(cache, ids, blocks)` writes staged blocks into place."""
 
     block_ids: list[int]
     layer: Callable[[int], torch.Tensor]
     scatter: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+    gather: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -187,12 +189,13 @@ def send_kv(
     bufs = None
     if placed.staged:
         bufs = (staging or StagingBuffers()).get(desc.layout, n, dev)
+    gather = source.gather or _index_select
     handles = []
     for i in range(desc.layout.num_layers):
         cache = source.layer(i)
         for blocks, index in placed.tensors(cache, bufs[i] if bufs else None):
             if index is not None:  # staged: gathered out of the cache first
-                torch.index_select(cache, 0, index, out=blocks)
+                gather(cache, index, blocks)
             handles.append(channel.post_send(blocks))
     ok, payload = verdict() if verdict is not None else (True, b"")
     for h in handles:
@@ -323,6 +326,10 @@ def _wait_posted(channel: KVChannel, handle, timeout_s: float, posted: list) -> 
         channel.wait(handle, timeout_s)
     finally:  # by identity: a handle may be a tensor, whose == compares elements
         del posted[next(i for i, h in enumerate(posted) if h is handle)]
+
+
+def _index_select(cache: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+    torch.index_select(cache, 0, index, out=out)
 
 
 def _scatter(side: PagedBlocks, cache: torch.Tensor, index: torch.Tensor, rows) -> None:

@@ -118,8 +118,11 @@ class KVSender:
         cache_layer: Callable[[int], torch.Tensor],
         release: Callable[[list[int]], None],
         on_done: Callable[[Push, PushResult], None],
+        read_blocks: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
     ) -> None:
+        """`read_blocks(cache, ids, out)` gathers blocks to be staged (PagedBlocks.gather)."""
         self.source, self.target = source, target
+        self.read_blocks = read_blocks
         self.layout, self.device, self.bind_host = layout, device, bind_host
         self.timeout_s = timeout_s
         self.cache_layer, self.release, self.on_done = cache_layer, release, on_done
@@ -192,7 +195,7 @@ class KVSender:
             push.plan = send_kv(
                 self.group,
                 push.desc,
-                PagedBlocks(push.blocks, lambda i: self._layer(push, i)),
+                PagedBlocks(push.blocks, lambda i: self._layer(push, i), gather=self.read_blocks),
                 self.timeout_s,
                 verdict=lambda: self._verdict(push),
                 staging=self.staging,

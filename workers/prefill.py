@@ -280,6 +280,7 @@ class PrefillWorker(WorkerBase):
                 cache_layer=self.engine.kv_cache_layer,
                 release=lambda blocks: self.loop.call(self.engine.release_kv, blocks),
                 on_done=self._push_done,
+                read_blocks=self.engine.read_kv_blocks,
             )
         return s
 

@@ -60,7 +60,9 @@ class WorkerBase:
     ) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {name}: %(message)s")
         self.name = name
-        self.engine = LLMEngine(engine_config)
+        # Built on the loop thread, which runs all of its tensor work (engine_loop.py).
+        self.loop = EngineLoop(lambda: LLMEngine(engine_config), name=f"{name}-loop")
+        self.engine = self.loop.engine
         self.layout = self.engine.kv_layout
         self.device = self.engine.device
         self.transfer_host = transfer_host or node_address()
@@ -68,7 +70,6 @@ class WorkerBase:
         self.draining = False
         self.pid = os.getpid()
         self.node = node_address()
-        self.loop: EngineLoop | None = None
         self.liveness = LivenessPort(self.transfer_host)
         self.metrics = WorkerMetrics(self.pool.value, name)
 
@@ -83,7 +84,7 @@ class WorkerBase:
             ) from None
 
     def start_loop(self, on_outputs) -> None:
-        self.loop = EngineLoop(self.engine, on_outputs, name=f"{self.name}-loop").start()
+        self.loop.start(on_outputs)
 
     def status(self) -> WorkerStatus:
         """Answered from the loop's last snapshot: never waits for a step to end. Brings the

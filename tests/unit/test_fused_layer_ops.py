@@ -1,5 +1,8 @@
 """The fused CPU layer kernels against the torch ops they replace, alone and inside the model."""
 
+import os
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -38,6 +41,44 @@ def test_scatter_blocks_matches_index_copy_and_checks_ids(ops, dtype):
     assert torch.equal(got, want) and torch.equal(got[blocks], staged)
     with pytest.raises(RuntimeError, match="out of range"):
         ops.scatter_blocks(got, torch.tensor([40]), staged[:1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_blocks_matches_index_select_on_one_thread(ops, dtype):
+    """A transfer's blocks to be staged, out of a cache whose blocks are strided (one layer
+    of a wider tensor): the same bytes as index_select, without an OpenMP team of the
+    calling thread's own (index_select, this large, starts one where torch has threads)."""
+    whole = torch.randn(40, 3, 2, 4, 3, 16).to(dtype)
+    cache = whole[:, 1]  # block stride spans three layers
+    blocks = torch.tensor([31, 2, 17, 39, 0, 5, 6, 7] * 64)
+    want = torch.index_select(cache, 0, blocks)
+    got = torch.empty_like(want)
+
+    def threads_while(fn) -> int:
+        """Threads in this process just after fn ran on a new thread (a team lives as long
+        as the thread that started it)."""
+        seen = []
+
+        def run():
+            fn()
+            seen.append(len(os.listdir("/proc/self/task")))
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        return seen[0]
+
+    before = len(os.listdir("/proc/self/task"))
+    assert threads_while(lambda: ops.gather_blocks(got, blocks, cache)) == before + 1
+    assert torch.equal(got, want)
+    if torch.get_num_threads() > 1:  # what the kernel avoids
+        select = threads_while(lambda: torch.index_select(cache, 0, blocks, out=got))
+        assert select > before + 1
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.gather_blocks(got[:1], torch.tensor([40]), cache)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        strided = torch.randn(40, 2, 4, 3, 32).to(dtype)[..., ::2]  # each block's rows apart
+        ops.gather_blocks(got[:1], torch.tensor([0]), strided)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

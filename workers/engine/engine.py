@@ -259,6 +259,10 @@ class LLMEngine:
         """Whole blocks into a `kv_cache_layer` tensor, at reserved block ids."""
         self.runner.write_blocks(cache, block_ids, rows)
 
+    def read_kv_blocks(self, cache: torch.Tensor, block_ids: torch.Tensor, out) -> None:
+        """Whole blocks out of a `kv_cache_layer` tensor, at held block ids, into `out`."""
+        self.runner.read_blocks(cache, block_ids, out)
+
     def import_kv_layer(self, layer: int, block_ids, data: torch.Tensor) -> None:
         """Write `export_kv_layer`'s copy of one layer into reserved blocks (nothing reads
         them yet)."""

@@ -130,6 +130,15 @@ class ModelRunner:
         """Whole blocks into a layer's cache (`kv_layers`), at block ids `idx`."""
         scatter_rows(cache, idx, rows, self.model.ops)
 
+    def read_blocks(self, cache: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
+        """Whole blocks out of a layer's cache, at block ids `idx`, into `out`: on the CPU on
+        the calling thread alone (the kernel), so a transfer thread starts no OpenMP team."""
+        ops = self.model.ops
+        if ops is not None and cache.device.type == "cpu":
+            ops.gather_blocks(out, idx, cache)
+        else:
+            torch.index_select(cache, 0, idx, out=out)
+
     def _slots(self, blocks: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
         return [blocks[p // bs] * bs + p % bs for p in range(start, end)]

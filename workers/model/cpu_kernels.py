@@ -7,8 +7,9 @@ and cached (TORCH_EXTENSIONS_DIR, about 30 s once per machine):
 - `rms_norm`, `add_rms_norm`, `rotary_inplace`, `silu_and_mul`: the decoder layer's small
   ops, fused (csrc/layer_ops_cpu.cpp). A small model's decode step is mostly the dispatch of
   such ops, not their arithmetic.
-- `scatter_blocks`: a KV transfer's blocks copied into their reserved blocks, a block at a
-  time; `write_slots`: a step's new K/V rows into their slots (index_copy_ goes element by
+- `scatter_blocks`, `gather_blocks`: a KV transfer's staged blocks copied into their
+  reserved blocks, or out of held ones, a block at a time on the calling thread;
+  `write_slots`: a step's new K/V rows into their slots (index_copy_ goes element by
   element).
 - `argmax_rows`: greedy picks over the vocabulary (torch's argmax is ten times slower).
 - `pack_linear_bf16`, `linear_bf16`: bf16 linear layers on CPUs with AVX512-BF16
@@ -45,6 +46,7 @@ _FUNCTIONS = [
     "rotary_inplace",
     "silu_and_mul",
     "scatter_blocks",
+    "gather_blocks",
     "write_slots",
     "argmax_rows",
     "linear_bf16_supported",
@@ -108,7 +110,7 @@ def _build():
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(
-            name=f"tandem_cpu_kernels_v5_{_cpu_tag()}",
+            name=f"tandem_cpu_kernels_v6_{_cpu_tag()}",
             cpp_sources=[src.read_text() for src in _SOURCES],
             extra_include_paths=[str(_CSRC)],
             functions=_FUNCTIONS,

@@ -189,6 +189,41 @@ void scatter_blocks(torch::Tensor dst, torch::Tensor index, torch::Tensor src) {
   }
 }
 
+// dst[i] = src[index[i]] along dim 0, each block copied whole on the calling thread alone: a
+// KV transfer's staged blocks gathered on its sender's thread. index_select would start an
+// OpenMP team there, and a process with more teams than cores slows its engine loop's
+// (engine_loop.py says why).
+void gather_blocks(torch::Tensor dst, torch::Tensor index, torch::Tensor src) {
+  TORCH_CHECK(dst.device().is_cpu() && src.device().is_cpu() && index.device().is_cpu(),
+              "gather_blocks takes CPU tensors");
+  TORCH_CHECK(dst.is_contiguous(), "dst must be contiguous");
+  TORCH_CHECK(dst.scalar_type() == src.scalar_type(), "dst and src differ in dtype");
+  TORCH_CHECK(src.dim() >= 1 && src.dim() == dst.dim() &&
+                  dst.sizes().slice(1) == src.sizes().slice(1),
+              "dst must be [n, ...] with src's block shape");
+  int64_t slice = 1;
+  for (int64_t dim = src.dim() - 1; dim >= 1; --dim) {
+    TORCH_CHECK(src.size(dim) == 1 || src.stride(dim) == slice,
+                "each block of src must be contiguous");
+    slice *= src.size(dim);
+  }
+  TORCH_CHECK(index.dim() == 1 && index.scalar_type() == at::kLong && index.is_contiguous() &&
+                  index.numel() == dst.size(0),
+              "index must be int64 [n], one block id per block of dst");
+  const int64_t n = index.numel(), blocks = src.size(0);
+  const size_t bytes = static_cast<size_t>(slice) * src.element_size();
+  const size_t src_stride = static_cast<size_t>(src.stride(0)) * src.element_size();
+  const int64_t* idx = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(idx[i] >= 0 && idx[i] < blocks, "block id ", idx[i], " out of range");
+  }
+  char* d = static_cast<char*>(dst.data_ptr());
+  const char* s = static_cast<const char*>(src.data_ptr());
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(d + i * bytes, s + idx[i] * src_stride, bytes);
+  }
+}
+
 // The index of each row's maximum, the first among equals, as torch.argmax gives it (a NaN
 // counts as the maximum: the first NaN's index). torch's reduction takes 4 ms over 64 rows of
 // a 49,152-token vocabulary on one core; a greedy step needs it for every sequence.
