@@ -9,7 +9,9 @@ sees the same trace. Systems:
 - tandem-disagg: 1 prefill + 1 decode worker, one core each (the prefill worker runs
   --prefill-threads threads, default 1), prompts of up to --local-prefill-max-tokens (128)
   prefilled on the decode worker;
-- tandem-colocated: 1 worker doing both phases on both cores, chunked prefill;
+- tandem-colocated: 1 worker doing both phases on both cores, chunked prefill, the chunks
+  paced so that the running sequences keep --target-tpot-ms (engine.target_tpot_ms; the
+  decode worker's local prefills are paced alike);
 - tandem-colocated-unchunked: the same without chunking (a long prompt stalls decodes);
 - vllm: vLLM's CPU build behind its OpenAI-compatible server, when installed (see README),
   driven through the streaming /v1/completions API with the same token ids;
@@ -213,13 +215,19 @@ async def run_tandem(
     dtype: str = "bfloat16",
     policy: str = "shortest-first",
     local_prefill_max_tokens: int = 0,
+    target_tpot_ms: float | None = None,
 ) -> tuple:
     from cluster import config_io
     from cluster.cluster import Cluster
     from cluster.config import ClusterConfig
 
     engine = dict(
-        model=str(model_dir), dtype=dtype, kv_cache_gb=1.0, max_num_seqs=64, policy=policy
+        model=str(model_dir),
+        dtype=dtype,
+        kv_cache_gb=1.0,
+        max_num_seqs=64,
+        policy=policy,
+        target_tpot_ms=target_tpot_ms or None,
     )
     per_system = {
         "tandem-disagg": dict(
@@ -237,7 +245,12 @@ async def run_tandem(
         "tandem-colocated-unchunked": dict(
             mode="colocated",
             decode=dict(replicas=1, cpus=2),
-            engine=dict(engine, enable_chunked_prefill=False, max_num_batched_tokens=4096),
+            engine=dict(
+                engine,
+                enable_chunked_prefill=False,
+                max_num_batched_tokens=4096,
+                target_tpot_ms=None,  # pacing sizes chunks: nothing to pace unchunked
+            ),
         ),
     }
     http = system.endswith(HTTP_SUFFIX)
@@ -411,6 +424,7 @@ async def amain(args) -> None:
                         args.dtype,
                         args.policy,
                         args.local_prefill_max_tokens,
+                        args.target_tpot_ms,
                     )
             except Exception as e:
                 log(f"[{system}] failed: {e}")
@@ -530,6 +544,14 @@ def main() -> None:
         help="disaggregated: requests this short are prefilled on their decode worker "
         "(router.local_prefill_max_tokens; 0: every prompt goes to the prefill worker)",
     )
+    p.add_argument(
+        "--target-tpot-ms",
+        type=float,
+        default=None,
+        help="Tandem's engine.target_tpot_ms: prompt chunks paced so running sequences keep "
+        "this time per token (default: 0.8 x the TPOT SLO, as the engine measures its own "
+        "steps and a client also sees the stream's delivery; 0: off)",
+    )
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     p.add_argument(
@@ -539,7 +561,10 @@ def main() -> None:
         help="cores vLLM's model worker is bound to (0: vLLM's default, all but one)",
     )
     p.add_argument("--out", type=Path, default=RESULTS / "serving.json")
-    asyncio.run(amain(p.parse_args()))
+    args = p.parse_args()
+    if args.target_tpot_ms is None:
+        args.target_tpot_ms = 0.8 * args.slo_tpot_ms
+    asyncio.run(amain(args))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ class SchedulerConfig:
     batching: str = "continuous"
     max_model_len: int = 8192
     watermark: float = 0.01  # share of blocks kept free at admission
+    # Pace prompt chunks so running sequences keep this mean time per output token (pacing.py)
+    target_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -43,6 +45,13 @@ class SchedulerConfig:
             )
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark={self.watermark}: must be in [0, 1)")
+        if self.target_tpot_ms is not None:
+            if not (isinstance(self.target_tpot_ms, (int, float)) and self.target_tpot_ms > 0):
+                raise ValueError(f"target_tpot_ms={self.target_tpot_ms}: must be positive")
+            if not self.enable_chunked_prefill:
+                raise ValueError(
+                    "target_tpot_ms paces prompt chunks: it needs enable_chunked_prefill"
+                )
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,13 @@ class EngineConfig:
         default=True, metadata=_h("split long prompts into chunks mixed with decodes")
     )
     prefill_chunk_size: int = field(default=512, metadata=_h("most prompt tokens per step"))
+    target_tpot_ms: float | None = field(
+        default=None,
+        metadata=_h(
+            "mean time per output token to keep running sequences at: each step's prompt "
+            "chunk is sized to the time they can spare (default: off, full chunks)"
+        ),
+    )
     enable_prefix_caching: bool = field(default=True, metadata=_h("reuse KV of shared prefixes"))
     policy: str = field(default="fcfs", metadata=_h("scheduling order", choices=POLICIES))
     batching: str = field(default="continuous", metadata=_h("", choices=BATCHING))
@@ -109,6 +125,7 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
             prefill_chunk_size=self.prefill_chunk_size,
+            target_tpot_ms=self.target_tpot_ms,
             policy=self.policy,
             batching=self.batching,
             max_model_len=max_model_len,

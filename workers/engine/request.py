@@ -199,6 +199,8 @@ class Request:
     # is computed, with id `choice_id(request_id, i)` and the prompt's blocks shared.
     parent_id: str | None = None
     index: int = 0
+    # (clock, output tokens) when it made its first token on this engine: its pace since.
+    paced_since: tuple[float, int] | None = None
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a request needs at least one prompt token"

@@ -20,17 +20,33 @@ The scheduler is pure bookkeeping: it never touches tensors.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from workers.engine.block_pool import BlockPool
 from workers.engine.config import SchedulerConfig
 from workers.engine.kv_manager import KVCacheManager
+from workers.engine.pacing import DecodePacer
 from workers.engine.policy import make_policy
 from workers.engine.request import Request, RequestStatus, choice_id, choice_seed
 from workers.engine.scheduler_output import SampledToken, ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: BlockPool,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
+        self.clock = clock
+        self.pacer = (
+            DecodePacer(config.target_tpot_ms / 1000, pool.block_size)
+            if config.target_tpot_ms
+            else None
+        )
+        self._prompt_allowance: int | None = None  # this step's, under pacing; None: no limit
         self.pool = pool
         self.kv = KVCacheManager(pool, watermark_blocks=int(config.watermark * pool.num_blocks))
         self.policy = make_policy(config.policy)
@@ -121,6 +137,7 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         self.kv.publish(req)
+        req.paced_since = (self.clock(), req.num_output_tokens)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -134,6 +151,10 @@ class Scheduler:
         # Sorted once a step: admissions only pop from it, and a preemption (which appends)
         # ends admission for the step.
         self.waiting.sort(key=self.policy.key)
+        if self.pacer is not None:
+            self._prompt_allowance = self.pacer.prompt_allowance(
+                self.running, self.clock(), self.config.max_model_len
+            )
         budget = self._schedule_running(out, budget, admit and self.policy.admits_ahead)
         for ghost in self.padding:
             if budget <= 0:
@@ -144,6 +165,12 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         out.block_copies = self.kv.take_copies()
         return out
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """How long the step `out` took to run: what pacing sizes the next chunks by."""
+        if self.pacer is not None:
+            prompt_tokens = sum(p.num_tokens for p in out.prefills)
+            self.pacer.observe(len(out.decodes), prompt_tokens, seconds, self.clock())
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, ahead: bool) -> int:
         self.running.sort(key=self.policy.key)
@@ -224,6 +251,7 @@ class Scheduler:
         gained tokens or ended this step. Ended requests have released their blocks."""
         by_id = {s.request_id: s for s in sampled}
         results = []
+        now = self.clock()
         for sched in out.scheduled:
             req = self.requests.get(sched.request_id)
             if req is None:
@@ -242,6 +270,8 @@ class Scheduler:
                     r.output_logprobs.append(t.logprob)
                 if t.top_logprobs is not None:
                     r.output_top_logprobs.append(t.top_logprobs)
+                if r.paced_since is None:
+                    r.paced_since = (now, r.num_output_tokens)
                 status = self.check_stop(r, t.token_id)
                 if status is not None:
                     self.finish_request(r.request_id, status)
@@ -309,6 +339,8 @@ class Scheduler:
         if remaining > 1:  # a prompt (or recompute) chunk
             if self.config.enable_chunked_prefill:
                 remaining = min(remaining, self.config.prefill_chunk_size)
+                if self._prompt_allowance is not None:
+                    remaining = min(remaining, self._prompt_allowance)
             elif remaining > budget:
                 return 0  # unchunked prompts wait for a step with room for all of them
         return max(0, min(remaining, budget))
@@ -334,6 +366,8 @@ class Scheduler:
             forks=tuple(range(1, req.sampling.n)) if sample and req.forks_pending else (),
         )
         (out.decodes if n == 1 else out.prefills).append(sched)
+        if n > 1 and self._prompt_allowance is not None:
+            self._prompt_allowance = max(0, self._prompt_allowance - n)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

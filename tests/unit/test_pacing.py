@@ -1,0 +1,219 @@
+"""Decode pacing (workers/engine/pacing.py): prompt chunks sized to the running sequences'
+slack against target_tpot_ms, with a cost model fitted to the steps run."""
+
+import numpy as np
+import pytest
+
+from tests.unit.sched_helpers import assert_no_leak, make_request, make_scheduler, run_step
+from workers.engine.config import EngineConfig, SchedulerConfig
+from workers.engine.pacing import HORIZON_TOKENS, DecodePacer, StepCostModel
+from workers.engine.request import SamplingParams
+from workers.engine.scheduler_output import SampledToken
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def paced_scheduler(target_ms=50.0, chunk=64, **cfg):
+    clock = Clock()
+    s = make_scheduler(
+        num_blocks=4096,
+        block_size=4,
+        prefill_chunk_size=chunk,
+        max_num_batched_tokens=256,
+        target_tpot_ms=target_ms,
+        **cfg,
+    )
+    s.clock = clock
+    return s, clock
+
+
+def teach(s, decode_s=0.010, per_decode_s=0.001, chunk_s=0.005, per_token_s=0.001, steps=40):
+    """Fit the scheduler's cost model to a machine with these costs."""
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        d, p = int(rng.integers(0, 9)), int(rng.integers(0, 3)) * int(rng.integers(1, 65))
+        t = decode_s + per_decode_s * d + (chunk_s + per_token_s * p if p else 0.0)
+        s.pacer.observe(d, p, t, s.clock())
+
+
+def step_for(s, clock, seconds):
+    """One scheduled step that takes `seconds` of the fake clock."""
+    out = s.schedule()
+    clock.now += seconds
+    s.observe_step(out, seconds)
+    sampled = [SampledToken(r.request_id, 7) for r in out.scheduled if r.sample]
+    s.update_from_output(out, sampled)
+    return out
+
+
+def prompt_tokens(out) -> int:
+    return sum(p.num_tokens for p in out.prefills)
+
+
+def test_cost_model_recovers_the_step_costs_and_follows_a_change():
+    m = StepCostModel()
+    rng = np.random.default_rng(1)
+
+    def feed(a, b, c, e, n=60):
+        for _ in range(n):
+            d, p = int(rng.integers(0, 17)), int(rng.integers(0, 2)) * int(rng.integers(1, 257))
+            m.observe(d, p, a + b * d + ((c + e * p) if p else 0.0))
+
+    feed(0.012, 0.0008, 0.006, 0.0007)
+    assert m.ready
+    assert m.decode_seconds(8) == pytest.approx(0.012 + 8 * 0.0008, rel=1e-3)
+    assert m.prompt_tokens_within(0.006 + 100 * 0.0007 + 1e-6) == 100
+    assert m.prompt_tokens_within(0.005) == 0  # less than a chunk's own cost: nothing fits
+    feed(0.024, 0.0016, 0.012, 0.0014, n=150)  # twice as slow (another tenant came)
+    assert m.decode_seconds(8) == pytest.approx(2 * (0.012 + 8 * 0.0008), rel=0.02)
+
+
+def test_without_running_decodes_prompts_take_full_chunks():
+    s, clock = paced_scheduler()
+    teach(s)
+    s.add_request(make_request("long", prompt_len=200, max_tokens=4))
+    out = step_for(s, clock, 0.08)
+    assert prompt_tokens(out) == 64
+
+
+def run_machine(s, clock, steps, tpots=None):
+    """Steps that take what this machine's costs say: 10 ms + 1 ms a decode, and a prompt
+    chunk 5 ms + 1 ms a token (what `teach` fits). Returns each step's prompt tokens; the
+    mean time per token of each request that ends goes into `tpots`."""
+    chunks = []
+    for _ in range(steps):
+        out = s.schedule()
+        p = prompt_tokens(out)
+        seconds = 0.010 + 0.001 * len(out.decodes) + ((0.005 + 0.001 * p) if p else 0.0)
+        clock.now += seconds
+        s.observe_step(out, seconds)
+        sampled = [SampledToken(r.request_id, 7) for r in out.scheduled]
+        for req, _ in s.update_from_output(out, sampled):
+            if req.is_finished and tpots is not None:
+                since, made = req.paced_since
+                tpots[req.request_id] = (clock.now - since) / (req.num_output_tokens - made)
+        chunks.append(p)
+    return chunks
+
+
+@pytest.mark.parametrize("paced", [True, False])
+def test_a_long_prompt_gets_what_the_decodes_can_spare_and_they_stay_on_target(paced):
+    target = 0.050
+    s, clock = paced_scheduler(target_ms=target * 1000 if paced else None, chunk=128)
+    if paced:
+        teach(s)
+    for i in range(4):
+        s.add_request(make_request(f"chat{i}", prompt_len=8, max_tokens=60, first_token=i + 1))
+    run_machine(s, clock, 1)  # their prompts, and their first tokens
+    s.add_request(make_request("long", prompt_len=8000, max_tokens=2, first_token=30))
+    tpots: dict[str, float] = {}
+    chunks = run_machine(s, clock, 60, tpots)
+    assert sorted(tpots) == [f"chat{i}" for i in range(4)]  # all ended, the prompt did not
+    if not paced:  # full chunks: 147 ms steps, three times the target
+        assert chunks == [128] * 60 and min(tpots.values()) > 2 * target
+        return
+    # Each ends on target: a sequence borrows against its next few tokens, never its last.
+    assert max(tpots.values()) <= target * 1.001, tpots
+    assert min(chunks) < 128  # held back at times ...
+    assert sum(chunks) >= 60 * 16  # ... yet moving: the slack goes to the prompt
+
+
+def test_a_sequence_too_far_behind_does_not_hold_prompts_back():
+    s, clock = paced_scheduler()
+    teach(s)
+    s.add_request(make_request("late", prompt_len=8, max_tokens=10))
+    step_for(s, clock, 0.02)
+    clock.now += 5.0  # it stalled: 10 tokens at 50 ms can never bring it back under target
+    s.add_request(make_request("long", prompt_len=200, max_tokens=2, first_token=20))
+    out = step_for(s, clock, 0.08)
+    assert prompt_tokens(out) == 64
+
+
+def test_a_prompt_held_back_past_the_horizon_advances_by_a_block():
+    pacer = DecodePacer(0.050, block_size=4)
+    for _ in range(40):  # decode 11 ms, a chunk 5 ms + 1 ms a token
+        pacer.observe(1, 0, 0.011, 0.0)
+        pacer.observe(1, 16, 0.032, 0.0)
+    fresh = make_request("fresh", prompt_len=8, max_tokens=100)
+    fresh.num_computed_tokens = 8
+    fresh.output_token_ids = [7]
+    now, seen = 0.0, []
+    for _ in range(2 * HORIZON_TOKENS):
+        # First token 280 ms ago: 8 tokens at 50 ms, the 7 after the next at 11, leave 43 ms
+        # for the next step; less the decode's 11 and a chunk's own 5 ms: 27 tokens. 330 ms
+        # ago, it leaves none: as if a fresh arrival kept it so at every step.
+        fresh.paced_since = (now - 0.330, 1)
+        allowance = pacer.prompt_allowance([fresh], now, 8192)
+        seen.append(allowance)
+        if allowance:
+            pacer.observe(1, allowance, 0.011 + 0.005 + 0.001 * allowance, now)
+        now += 0.050
+    fresh.paced_since = (now - 0.280, 1)
+    assert pacer.prompt_allowance([fresh], now + 0.001, 8192) == 24  # 27, whole blocks
+    assert seen[:HORIZON_TOKENS] == [0] * HORIZON_TOKENS  # held up to 8 x 50 ms ...
+    assert set(seen[HORIZON_TOKENS:]) == {0, 4}  # ... then a block, and held again
+
+
+def test_pacing_changes_only_chunk_sizes_not_what_is_generated():
+    outs = {}
+    for target in (None, 1.0):
+        s, clock = paced_scheduler(target_ms=target)
+        if target:
+            teach(s)
+        s.add_request(make_request("a", prompt_len=8, max_tokens=30))
+        s.add_request(make_request("b", prompt_len=120, max_tokens=5, first_token=9))
+        done = {}
+        for _ in range(400):
+            if not s.has_unfinished():
+                break
+            _, results = run_step(s)
+            clock.now += 0.02
+            for req, _ in results:
+                if req.is_finished:
+                    done[req.request_id] = (req.num_output_tokens, req.status)
+        assert_no_leak(s)
+        outs[target] = done
+    assert outs[None] == outs[1.0] and len(outs[None]) == 2
+
+
+def test_target_needs_chunked_prefill_and_a_positive_value():
+    with pytest.raises(ValueError, match="target_tpot_ms"):
+        SchedulerConfig(target_tpot_ms=0)
+    with pytest.raises(ValueError, match="enable_chunked_prefill"):
+        EngineConfig(target_tpot_ms=40, enable_chunked_prefill=False)
+    assert EngineConfig(target_tpot_ms=40).scheduler(2048).target_tpot_ms == 40
+
+
+def test_engine_paced_greedy_output_equals_unpaced(tiny_llama_dir):
+    from workers.engine.engine import LLMEngine
+
+    results = {}
+    for target in (None, 0.5):  # half a millisecond: every step is over, chunks are tiny
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(tiny_llama_dir),
+                num_kv_blocks=128,
+                prefill_chunk_size=32,
+                target_tpot_ms=target,
+            )
+        )
+        sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        ids = {
+            engine.add_request(list(range(5, 15)), sp): "short",
+            engine.add_request(list(range(40, 140)), sp): "long",
+        }
+        got = {}
+        for _ in range(300):
+            if not engine.has_unfinished():
+                break
+            for o in engine.step():
+                got.setdefault(ids[o.request_id], []).extend(o.new_token_ids)
+        results[target] = got
+        assert len(got["long"]) == 12
+    assert results[None] == results[0.5]

@@ -1,0 +1,140 @@
+"""Decode pacing: prompt chunks sized so that running sequences keep a target time per token.
+
+A prompt chunk in the same step as the decodes delays each of their tokens by as long as the
+chunk takes. With `target_tpot_ms` (T) set, each step's prompt tokens are limited to the time
+the running sequences can spare:
+
+- a sequence that has made k tokens since its first one here, over e seconds, is on target
+  while e <= T*k. It may borrow against its next h = min(8, tokens it may still make)
+  tokens: the next step may take T*(k+h) - e - (h-1)*d, where d is the decode-only step,
+  and the h-1 steps after it, at d, bring it back to T. That is its slack; short steps bank
+  more. Its last tokens borrow nothing, so a sequence ends on target;
+- a step may take the smallest slack of the sequences still able to meet T. One that cannot,
+  even if every token it may still make came at the decode-only pace, is not protected:
+  holding prompts back would not save it, only cost the prompts;
+- a cost model fitted online to the steps actually run (`StepCostModel`) turns that time
+  into prompt tokens, in whole blocks; what is too little for a block waits, and the slack
+  banked meanwhile makes a larger, cheaper chunk later;
+- a prompt never waits more than 8*T for a step with room: then one block runs anyway.
+
+Sarathi-Serve derives one chunk size from the TPOT SLO ahead of time; sizing each step from
+the sequences' own pace spends the slack that short steps leave, so long prompts still move
+in large chunks while the batch runs ahead of its target. The target is the engine's own
+measure: a client also sees the stream's delivery, so set it somewhat under the SLO.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from workers.engine.request import Request
+
+# Steps observed, at least one with prompt tokens, before the model sizes chunks.
+MIN_OBSERVATIONS = 3
+# A sequence may borrow against this many of its coming tokens: one long step now, repaid by
+# the decode-only steps after it. Bounded, so a sequence that ends early (EOS) owes little.
+HORIZON_TOKENS = 8
+
+
+class StepCostModel:
+    """Step seconds ~ a + b * decodes + (c + d * prompt tokens if any), fitted by recursive
+    least squares with exponential forgetting: it follows the machine as load and contexts
+    change. `c` is what a prompt chunk costs whatever its size (its own kernels, its
+    attention over the context before it): why a few large chunks beat many small ones."""
+
+    def __init__(self, forgetting: float = 0.97) -> None:
+        self.forgetting = forgetting
+        self.theta = np.zeros(4)
+        self.cov = np.eye(4) * 1e3
+        self.observations = 0
+        self.prompt_observations = 0
+
+    def observe(self, decodes: int, prompt_tokens: int, seconds: float) -> None:
+        x = np.array([1.0, decodes, float(prompt_tokens > 0), prompt_tokens])
+        px = self.cov @ x
+        gain = px / (self.forgetting + x @ px)
+        self.theta += gain * (seconds - x @ self.theta)
+        self.cov = (self.cov - np.outer(gain, px)) / self.forgetting
+        # Forgetting inflates the covariance along directions no step excites (prompt
+        # tokens, through a run of decode-only steps); bounded, it adapts fast, not wildly.
+        trace = np.trace(self.cov)
+        if trace > 1e6:
+            self.cov *= 1e6 / trace
+        self.observations += 1
+        self.prompt_observations += prompt_tokens > 0
+
+    @property
+    def ready(self) -> bool:
+        return (
+            self.observations >= MIN_OBSERVATIONS
+            and self.prompt_observations > 0
+            and self.theta[3] > 0
+        )
+
+    def decode_seconds(self, decodes: int) -> float:
+        return max(0.0, float(self.theta[0] + self.theta[1] * decodes))
+
+    def prompt_tokens_within(self, seconds: float) -> int:
+        """Prompt tokens a step can add and take at most `seconds` longer."""
+        spare = seconds - max(0.0, float(self.theta[2]))
+        return int(spare / self.theta[3]) if spare > 0 else 0
+
+
+class DecodePacer:
+    def __init__(self, target_tpot_s: float, block_size: int) -> None:
+        self.target = target_tpot_s
+        self.block_size = block_size
+        self.model = StepCostModel()
+        # Prompts never wait longer than this for a step with room: then one block runs.
+        self.max_hold_s = HORIZON_TOKENS * target_tpot_s
+        self._last_prompt_step: float | None = None
+
+    def observe(self, decodes: int, prompt_tokens: int, seconds: float, now: float) -> None:
+        self.model.observe(decodes, prompt_tokens, seconds)
+        if prompt_tokens or self._last_prompt_step is None:
+            self._last_prompt_step = now
+
+    def slack(self, running: list[Request], now: float, max_model_len: int) -> float:
+        """Seconds the next step may take with every protected decoding sequence still on
+        its target; inf when none is decoding or none can still meet it."""
+        decoding = [r for r in running if _decoding(r)]
+        step = self.model.decode_seconds(len(decoding))
+        slack = math.inf
+        for r in decoding:
+            if r.paced_since is None:
+                continue
+            since, made = r.paced_since
+            k = r.num_output_tokens - made
+            elapsed = now - since
+            left = max(
+                1,
+                min(r.sampling.max_tokens - r.num_output_tokens, max_model_len - r.num_tokens),
+            )
+            if elapsed + left * step > self.target * (k + left):
+                continue  # too far behind to get back under the target
+            # On target after its next h tokens, the later ones at the decode-only pace.
+            h = min(left, HORIZON_TOKENS)
+            slack = min(slack, self.target * (k + h) - elapsed - (h - 1) * step)
+        return slack
+
+    def prompt_allowance(self, running: list[Request], now: float, max_model_len: int):
+        """Prompt tokens the next step may compute; None for no limit."""
+        if not self.model.ready:
+            return None
+        slack = self.slack(running, now, max_model_len)
+        if math.isinf(slack):
+            return None
+        decodes = sum(1 for r in running if _decoding(r))
+        tokens = self.model.prompt_tokens_within(slack - self.model.decode_seconds(decodes))
+        tokens = tokens // self.block_size * self.block_size
+        held = self._last_prompt_step is not None and now - self._last_prompt_step
+        if tokens == 0 and held and held > self.max_hold_s:
+            return self.block_size
+        return tokens
+
+
+def _decoding(req: Request) -> bool:
+    """Its next step computes one token: the last one sampled."""
+    return bool(req.output_token_ids) and req.num_computed_tokens >= req.num_tokens - 1
