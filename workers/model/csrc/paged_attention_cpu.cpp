@@ -32,6 +32,21 @@ inline void for_each_slot(const int64_t* table, int64_t len, int64_t block_size,
   }
 }
 
+// for_each_slot, with fn(t, row, ahead) also given `ahead`: the same slot's row in the next
+// block of the table (row itself in the last block), for the caller to prefetch. Blocks lie
+// anywhere in the cache, so the hardware prefetchers cannot see the next one coming.
+template <typename Fn>
+inline void for_each_slot_ahead(const int64_t* table, int64_t len, int64_t block_size,
+                                int64_t block_stride, int64_t token_stride, Fn&& fn) {
+  const int64_t blocks = (len + block_size - 1) / block_size;
+  for (int64_t blk = 0, t = 0; t < len; ++blk) {
+    const int64_t base = table[blk] * block_stride;
+    const int64_t next = blk + 1 < blocks ? table[blk + 1] * block_stride : base;
+    const int64_t n = std::min(block_size, len - t);
+    for (int64_t i = 0; i < n; ++i, ++t) fn(t, base + i * token_stride, next + i * token_stride);
+  }
+}
+
 // KV heads in one work item: all of a sequence's when the batch alone keeps every thread busy,
 // one otherwise.
 inline int64_t kv_heads_per_item(int64_t batch, int64_t num_kv_heads) {
@@ -112,6 +127,13 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 }
 
 #if defined(__AVX512BF16__)
+// A bf16 row of D elements into L1, a cache line at a time.
+template <int D>
+inline void prefetch_row(const uint16_t* p) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int c = 0; c < D * 2; c += 64) _mm_prefetch(bytes + c, _MM_HINT_T0);
+}
+
 // The bf16 path on AVX512-BF16, for head_dim 64 or 128 and up to 8 query heads per KV head.
 // Work items as decode_kernel's; a key's score for each of the G query heads of its KV head is
 // one vdpbf16ps chain over the key's row (the generic loop above converts every element to fp32
@@ -143,9 +165,10 @@ void decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
         for (int g = 0; g < G; ++g)
           for (int c = 0; c < kC; ++c)
             qz[g][c] = (__m512bh)_mm512_loadu_si512(qb + g * D + c * 32);
-        for_each_slot(table, len, block_size, block_stride, token_stride,
-                      [&](int64_t t, int64_t row) {
+        for_each_slot_ahead(table, len, block_size, block_stride, token_stride,
+                            [&](int64_t t, int64_t row, int64_t ahead) {
           const uint16_t* krow = k_cache + row + (h0 + hh) * D;
+          prefetch_row<D>(k_cache + ahead + (h0 + hh) * D);
           __m512bh k[kC];
           for (int c = 0; c < kC; ++c) k[c] = (__m512bh)_mm512_loadu_si512(krow + c * 32);
           for (int g = 0; g < G; ++g) {
@@ -178,9 +201,10 @@ void decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
         __m512 a[G][kV];
         for (int g = 0; g < G; ++g)
           for (int c = 0; c < kV; ++c) a[g][c] = _mm512_setzero_ps();
-        for_each_slot(table, len, block_size, block_stride, token_stride,
-                      [&](int64_t t, int64_t row) {
+        for_each_slot_ahead(table, len, block_size, block_stride, token_stride,
+                            [&](int64_t t, int64_t row, int64_t ahead) {
           const uint16_t* vrow = v_cache + row + (h0 + hh) * D;
+          prefetch_row<D>(v_cache + ahead + (h0 + hh) * D);
           __m512 v[kV];
           for (int c = 0; c < kV; ++c) v[c] = tandem::load_bf16_x16(vrow + c * 16);
           for (int g = 0; g < G; ++g) {
