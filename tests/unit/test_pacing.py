@@ -191,29 +191,35 @@ def test_target_needs_chunked_prefill_and_a_positive_value():
 
 
 def test_engine_paced_greedy_output_equals_unpaced(tiny_llama_dir):
+    """Pacing only sizes prompt chunks: with the allowance held at one block (4 tokens) the
+    greedy tokens are those of full 32-token chunks."""
+    from tests.reference import run_engine
     from workers.engine.engine import LLMEngine
 
-    results = {}
-    for target in (None, 0.5):  # half a millisecond: every step is over, chunks are tiny
+    results, chunks = {}, []
+    for target in (None, 40.0):
         engine = LLMEngine(
             EngineConfig(
                 model=str(tiny_llama_dir),
                 num_kv_blocks=128,
+                block_size=4,
                 prefill_chunk_size=32,
                 target_tpot_ms=target,
             )
         )
+        sched = engine.scheduler
+        if target:
+            sched.pacer.prompt_allowance = lambda running, now, max_model_len: 4
+            schedule = sched.schedule
+
+            def record(schedule=schedule):
+                out = schedule()
+                chunks.extend(p.num_tokens for p in out.prefills)
+                return out
+
+            sched.schedule = record
         sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-        ids = {
-            engine.add_request(list(range(5, 15)), sp): "short",
-            engine.add_request(list(range(40, 140)), sp): "long",
-        }
-        got = {}
-        for _ in range(300):
-            if not engine.has_unfinished():
-                break
-            for o in engine.step():
-                got.setdefault(ids[o.request_id], []).extend(o.new_token_ids)
-        results[target] = got
-        assert len(got["long"]) == 12
-    assert results[None] == results[0.5]
+        results[target] = run_engine(engine, [list(range(5, 15)), list(range(40, 140))], sp)
+        assert [len(t) for t in results[target]] == [12, 12]
+    assert chunks and max(chunks) == 4 and sum(chunks) == 110  # both prompts, 4 at a time
+    assert results[None] == results[40.0]

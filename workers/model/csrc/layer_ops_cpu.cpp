@@ -154,39 +154,47 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
-// dst[index[i]] = src[i] along dim 0, each slice copied whole: a KV transfer's blocks landing
-// in their reserved blocks. index_copy_ copies element by element, at a fifth of this speed.
-void scatter_blocks(torch::Tensor dst, torch::Tensor index, torch::Tensor src) {
-  TORCH_CHECK(dst.device().is_cpu() && src.device().is_cpu() && index.device().is_cpu(),
-              "scatter_blocks takes CPU tensors");
-  TORCH_CHECK(dst.is_contiguous(), "dst must be contiguous");
-  TORCH_CHECK(dst.scalar_type() == src.scalar_type(), "dst and src differ in dtype");
-  TORCH_CHECK(dst.dim() >= 1 && src.dim() == dst.dim() &&
-                  dst.sizes().slice(1) == src.sizes().slice(1),
-              "src must be [n, ...] with dst's block shape");
-  // Each slice of src is contiguous; the slices themselves may be strided (rows of a wider
-  // tensor, as a layer's K and V columns of its fused QKV output).
+// What scatter_blocks and gather_blocks check before copying: CPU tensors of one dtype and one
+// block shape; `packed` contiguous; each block of `strided` contiguous, the blocks themselves
+// stride(0) apart (rows of a wider tensor, or one layer of a wider cache); `index` int64 [n]
+// of ids below `blocks`. Returns one block's bytes.
+static size_t checked_block_bytes(const char* op, const torch::Tensor& packed,
+                                  const torch::Tensor& strided, const torch::Tensor& index,
+                                  int64_t n, int64_t blocks) {
+  TORCH_CHECK(packed.device().is_cpu() && strided.device().is_cpu() && index.device().is_cpu(),
+              op, " takes CPU tensors");
+  TORCH_CHECK(packed.is_contiguous(), op, ": the staged side must be contiguous");
+  TORCH_CHECK(packed.scalar_type() == strided.scalar_type(), op, ": dtypes differ");
+  TORCH_CHECK(strided.dim() >= 1 && strided.dim() == packed.dim() &&
+                  packed.sizes().slice(1) == strided.sizes().slice(1),
+              op, ": both sides must be [n, ...] with one block shape");
   int64_t slice = 1;
-  for (int64_t dim = src.dim() - 1; dim >= 1; --dim) {
-    TORCH_CHECK(src.size(dim) == 1 || src.stride(dim) == slice,
-                "each slice of src must be contiguous");
-    slice *= src.size(dim);
+  for (int64_t dim = strided.dim() - 1; dim >= 1; --dim) {
+    TORCH_CHECK(strided.size(dim) == 1 || strided.stride(dim) == slice,
+                op, ": each block must be contiguous");
+    slice *= strided.size(dim);
   }
   TORCH_CHECK(index.dim() == 1 && index.scalar_type() == at::kLong && index.is_contiguous() &&
-                  index.numel() == src.size(0),
-              "index must be int64 [n], one block id per slice of src");
-  const int64_t n = index.numel(), blocks = dst.size(0);
-  const size_t bytes = static_cast<size_t>(slice) * src.element_size();
-  const size_t src_stride = static_cast<size_t>(src.stride(0)) * src.element_size();
+                  index.numel() == n,
+              op, ": index must be int64 [n], one block id per block moved");
   const int64_t* idx = index.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(idx[i] >= 0 && idx[i] < blocks, "block id ", idx[i], " out of range");
+    TORCH_CHECK(idx[i] >= 0 && idx[i] < blocks, op, ": block id ", idx[i], " out of range");
   }
+  return static_cast<size_t>(slice) * strided.element_size();
+}
+
+// dst[index[i]] = src[i] along dim 0, each block copied whole: a KV transfer's blocks landing
+// in their reserved blocks. index_copy_ copies element by element, at a fifth of this speed.
+void scatter_blocks(torch::Tensor dst, torch::Tensor index, torch::Tensor src) {
+  const int64_t n = index.numel();
+  const size_t bytes = checked_block_bytes("scatter_blocks", dst, src, index, src.size(0),
+                                           dst.size(0));
+  const size_t src_stride = static_cast<size_t>(src.stride(0)) * src.element_size();
+  const int64_t* idx = index.data_ptr<int64_t>();
   char* d = static_cast<char*>(dst.data_ptr());
   const char* s = static_cast<const char*>(src.data_ptr());
-  for (int64_t i = 0; i < n; ++i) {
-    std::memcpy(d + idx[i] * bytes, s + i * src_stride, bytes);
-  }
+  for (int64_t i = 0; i < n; ++i) std::memcpy(d + idx[i] * bytes, s + i * src_stride, bytes);
 }
 
 // dst[i] = src[index[i]] along dim 0, each block copied whole on the calling thread alone: a
@@ -194,34 +202,14 @@ void scatter_blocks(torch::Tensor dst, torch::Tensor index, torch::Tensor src) {
 // OpenMP team there, and a process with more teams than cores slows its engine loop's
 // (engine_loop.py says why).
 void gather_blocks(torch::Tensor dst, torch::Tensor index, torch::Tensor src) {
-  TORCH_CHECK(dst.device().is_cpu() && src.device().is_cpu() && index.device().is_cpu(),
-              "gather_blocks takes CPU tensors");
-  TORCH_CHECK(dst.is_contiguous(), "dst must be contiguous");
-  TORCH_CHECK(dst.scalar_type() == src.scalar_type(), "dst and src differ in dtype");
-  TORCH_CHECK(src.dim() >= 1 && src.dim() == dst.dim() &&
-                  dst.sizes().slice(1) == src.sizes().slice(1),
-              "dst must be [n, ...] with src's block shape");
-  int64_t slice = 1;
-  for (int64_t dim = src.dim() - 1; dim >= 1; --dim) {
-    TORCH_CHECK(src.size(dim) == 1 || src.stride(dim) == slice,
-                "each block of src must be contiguous");
-    slice *= src.size(dim);
-  }
-  TORCH_CHECK(index.dim() == 1 && index.scalar_type() == at::kLong && index.is_contiguous() &&
-                  index.numel() == dst.size(0),
-              "index must be int64 [n], one block id per block of dst");
-  const int64_t n = index.numel(), blocks = src.size(0);
-  const size_t bytes = static_cast<size_t>(slice) * src.element_size();
+  const int64_t n = index.numel();
+  const size_t bytes = checked_block_bytes("gather_blocks", dst, src, index, dst.size(0),
+                                           src.size(0));
   const size_t src_stride = static_cast<size_t>(src.stride(0)) * src.element_size();
   const int64_t* idx = index.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(idx[i] >= 0 && idx[i] < blocks, "block id ", idx[i], " out of range");
-  }
   char* d = static_cast<char*>(dst.data_ptr());
   const char* s = static_cast<const char*>(src.data_ptr());
-  for (int64_t i = 0; i < n; ++i) {
-    std::memcpy(d + i * bytes, s + idx[i] * src_stride, bytes);
-  }
+  for (int64_t i = 0; i < n; ++i) std::memcpy(d + i * bytes, s + idx[i] * src_stride, bytes);
 }
 
 // The index of each row's maximum, the first among equals, as torch.argmax gives it (a NaN
