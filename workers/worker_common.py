@@ -62,16 +62,20 @@ class WorkerBase:
         self.name = name
         # Built on the loop thread, which runs all of its tensor work (engine_loop.py).
         self.loop = EngineLoop(lambda: LLMEngine(engine_config), name=f"{name}-loop")
-        self.engine = self.loop.engine
-        self.layout = self.engine.kv_layout
-        self.device = self.engine.device
-        self.transfer_host = transfer_host or node_address()
-        self.transfer_timeout_s = transfer_timeout_s
-        self.draining = False
-        self.pid = os.getpid()
-        self.node = node_address()
-        self.liveness = LivenessPort(self.transfer_host)
-        self.metrics = WorkerMetrics(self.pool.value, name)
+        try:
+            self.engine = self.loop.engine
+            self.layout = self.engine.kv_layout
+            self.device = self.engine.device
+            self.transfer_host = transfer_host or node_address()
+            self.transfer_timeout_s = transfer_timeout_s
+            self.draining = False
+            self.pid = os.getpid()
+            self.node = node_address()
+            self.liveness = LivenessPort(self.transfer_host)
+            self.metrics = WorkerMetrics(self.pool.value, name)
+        except BaseException:
+            self.loop.stop()  # its thread must not wait for a start that never comes
+            raise
 
     def on_loop(self, fn, *args):
         """Run fn(*args) on the engine loop between two steps and wait for it. A step may take

@@ -3,6 +3,7 @@ scheduler's configuration is derived from it (`EngineConfig.scheduler`), never s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -46,8 +47,9 @@ class SchedulerConfig:
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark={self.watermark}: must be in [0, 1)")
         if self.target_tpot_ms is not None:
-            if not (isinstance(self.target_tpot_ms, (int, float)) and self.target_tpot_ms > 0):
-                raise ValueError(f"target_tpot_ms={self.target_tpot_ms}: must be positive")
+            t = self.target_tpot_ms
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
+                raise ValueError(f"target_tpot_ms={t}: must be a positive number of ms")
             if not self.enable_chunked_prefill:
                 raise ValueError(
                     "target_tpot_ms paces prompt chunks: it needs enable_chunked_prefill"

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -401,7 +400,6 @@ class LLMEngine:
             return results
         self.prefill_tokens += sum(p.num_tokens for p in out.prefills)
         self.decode_tokens += len(out.decodes)
-        started = time.perf_counter()
         try:
             sampled = self.runner.execute(out, self._kv_completing(out))
         except Exception as e:  # one bad step must not take the engine down with it
@@ -415,7 +413,6 @@ class LLMEngine:
                 if req is not None:
                     results += self._ended_with_error(req, error)
             return results
-        self.scheduler.observe_step(out, time.perf_counter() - started)
         for req, new_ids in self.scheduler.update_from_output(out, sampled):
             results.append(self._output(req, new_ids))
         return results

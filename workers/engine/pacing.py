@@ -15,7 +15,8 @@ the running sequences can spare:
 - a cost model fitted online to the steps actually run (`StepCostModel`) turns that time
   into prompt tokens, in whole blocks; what is too little for a block waits, and the slack
   banked meanwhile makes a larger, cheaper chunk later;
-- a prompt never waits more than 8*T for a step with room: then one block runs anyway.
+- while prompts wait, one block of them runs at least every 8*T whatever the slack (the
+  policy picks whose), so prompts always advance.
 
 Sarathi-Serve derives one chunk size from the TPOT SLO ahead of time; sizing each step from
 the sequences' own pace spends the slack that short steps leave, so long prompts still move
@@ -44,24 +45,36 @@ class StepCostModel:
     change. `c` is what a prompt chunk costs whatever its size (its own kernels, its
     attention over the context before it): why a few large chunks beat many small ones."""
 
+    # Features in units that keep them near 1: decodes by 16, prompt tokens by 256.
+    DECODES, TOKENS = 16.0, 256.0
+
     def __init__(self, forgetting: float = 0.97) -> None:
         self.forgetting = forgetting
+        self._reset()
+
+    def _reset(self) -> None:
         self.theta = np.zeros(4)
         self.cov = np.eye(4) * 1e3
         self.observations = 0
         self.prompt_observations = 0
 
     def observe(self, decodes: int, prompt_tokens: int, seconds: float) -> None:
-        x = np.array([1.0, decodes, float(prompt_tokens > 0), prompt_tokens])
+        x = np.array(
+            [1.0, decodes / self.DECODES, float(prompt_tokens > 0), prompt_tokens / self.TOKENS]
+        )
         px = self.cov @ x
         gain = px / (self.forgetting + x @ px)
         self.theta += gain * (seconds - x @ self.theta)
-        self.cov = (self.cov - np.outer(gain, px)) / self.forgetting
+        cov = (self.cov - np.outer(gain, px)) / self.forgetting
+        self.cov = (cov + cov.T) / 2
         # Forgetting inflates the covariance along directions no step excites (prompt
         # tokens, through a run of decode-only steps); bounded, it adapts fast, not wildly.
         trace = np.trace(self.cov)
         if trace > 1e6:
             self.cov *= 1e6 / trace
+        if not (np.isfinite(self.theta).all() and np.isfinite(self.cov).all()):
+            self._reset()  # start the fit over rather than size chunks from garbage
+            return
         self.observations += 1
         self.prompt_observations += prompt_tokens > 0
 
@@ -74,12 +87,12 @@ class StepCostModel:
         )
 
     def decode_seconds(self, decodes: int) -> float:
-        return max(0.0, float(self.theta[0] + self.theta[1] * decodes))
+        return max(0.0, float(self.theta[0] + self.theta[1] * decodes / self.DECODES))
 
     def prompt_tokens_within(self, seconds: float) -> int:
         """Prompt tokens a step can add and take at most `seconds` longer."""
         spare = seconds - max(0.0, float(self.theta[2]))
-        return int(spare / self.theta[3]) if spare > 0 else 0
+        return int(spare / self.theta[3] * self.TOKENS) if spare > 0 else 0
 
 
 class DecodePacer:
@@ -87,7 +100,7 @@ class DecodePacer:
         self.target = target_tpot_s
         self.block_size = block_size
         self.model = StepCostModel()
-        # Prompts never wait longer than this for a step with room: then one block runs.
+        # Without a step with prompt tokens for this long, one block runs whatever the slack.
         self.max_hold_s = HORIZON_TOKENS * target_tpot_s
         self._last_prompt_step: float | None = None
 

@@ -15,6 +15,9 @@ Static batching is request-level scheduling as in HF `generate` or FasterTransfo
 is admitted only when the previous one has entirely finished, and a member that ends early
 keeps its batch slot as padding (its last position is recomputed each step and the token
 discarded) until the group's longest member ends; its blocks are freed with the group.
+With `target_tpot_ms`, each step's prompt tokens are also limited to what the running
+sequences can spare and still keep that mean time per token (decode pacing, pacing.py).
+
 The scheduler is pure bookkeeping: it never touches tensors.
 """
 
@@ -47,6 +50,8 @@ class Scheduler:
             else None
         )
         self._prompt_allowance: int | None = None  # this step's, under pacing; None: no limit
+        # Pacing: the last step scheduled and when, to time it by the next one's start.
+        self._timing: tuple[SchedulerOutput, float] | None = None
         self.pool = pool
         self.kv = KVCacheManager(pool, watermark_blocks=int(config.watermark * pool.num_blocks))
         self.policy = make_policy(config.policy)
@@ -94,6 +99,8 @@ class Scheduler:
                 self.kv.free(ghost)
             self.padding.clear()
         self.policy.forget(req)
+        if not self.requests:  # the loop idles now: the next step's start times nothing
+            self._timing = None
         return req
 
     # -- disaggregation: blocks reserved ahead of a KV transfer ---------------------------------
@@ -152,8 +159,10 @@ class Scheduler:
         # ends admission for the step.
         self.waiting.sort(key=self.policy.key)
         if self.pacer is not None:
+            now = self.clock()
+            self._observe_last_step(now)
             self._prompt_allowance = self.pacer.prompt_allowance(
-                self.running, self.clock(), self.config.max_model_len
+                self.running, now, self.config.max_model_len
             )
         budget = self._schedule_running(out, budget, admit and self.policy.admits_ahead)
         for ghost in self.padding:
@@ -164,13 +173,19 @@ class Scheduler:
         if admit and not out.preempted_ids:  # room was just made by force: admit nothing
             self._schedule_waiting(out, budget)
         out.block_copies = self.kv.take_copies()
+        if self.pacer is not None and out.scheduled:
+            self._timing = (out, now)
         return out
 
-    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """How long the step `out` took to run: what pacing sizes the next chunks by."""
-        if self.pacer is not None:
+    def _observe_last_step(self, now: float) -> None:
+        """Pacing learns what a step costs from the time between two steps' starts: the model
+        run and all the worker does around it (its outputs handed on, commands applied),
+        which is what the sequences' tokens wait for."""
+        if self._timing is not None:
+            out, started = self._timing
+            self._timing = None
             prompt_tokens = sum(p.num_tokens for p in out.prefills)
-            self.pacer.observe(len(out.decodes), prompt_tokens, seconds, self.clock())
+            self.pacer.observe(len(out.decodes), prompt_tokens, now - started, now)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, ahead: bool) -> int:
         self.running.sort(key=self.policy.key)
@@ -219,8 +234,8 @@ class Scheduler:
                 break
             n = self._admit(req, budget)
             if n == 0:
-                if self.running:
-                    break  # wait for running requests to free blocks
+                if self.running or self._prompt_allowance == 0:
+                    break  # wait for running requests to free blocks, or for pacing
                 # Nothing running will ever free a block: this request cannot fit.
                 self._fail_unfittable(req, out)
                 continue
@@ -308,6 +323,7 @@ class Scheduler:
         )
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
+        child.paced_since = parent.paced_since
         child.status = RequestStatus.RUNNING
         self.requests[child.request_id] = child
         self.policy.inherit(child, parent)  # served, and preempted, as its parent
@@ -373,6 +389,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.paced_since = None  # paced afresh from its next token, once recomputed
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
