@@ -278,6 +278,30 @@ def test_shortest_first_never_starves_a_long_prompt(monkeypatch):
     assert step == 40 + 5 - 1
 
 
+def test_a_prompt_served_ahead_of_running_decodes_leaves_them_their_budget(monkeypatch):
+    """An aged prompt goes ahead of everything under shortest-first, but its chunk is cut to
+    what the running decodes leave of the step's budget: none of them skips the step."""
+    import workers.engine.policy as policy_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(policy_module.time, "monotonic", lambda: clock[0])
+    s = make_scheduler(
+        num_blocks=256, policy="shortest-first", max_num_batched_tokens=16, prefill_chunk_size=16
+    )
+    for i in range(4):
+        chat = make_request(f"c{i}", prompt_len=3, max_tokens=50, first_token=i + 1)
+        chat.arrival_time = clock[0]
+        s.add_request(chat)
+    run_step(s)  # the four prompts (12 tokens) and their first tokens
+    long = make_request("long", prompt_len=200, max_tokens=1, first_token=100)
+    long.arrival_time = clock[0] - 60  # waited past starve_after_s: first in every step
+    s.add_request(long)
+    for _ in range(5):
+        out, _ = run_step(s)
+        assert sorted(d.request_id for d in out.decodes) == ["c0", "c1", "c2", "c3"]
+        assert [(p.request_id, p.num_tokens) for p in out.prefills] == [("long", 12)]
+
+
 def test_max_num_seqs_caps_the_batch():
     s = make_scheduler(max_num_seqs=2)
     for i in range(4):

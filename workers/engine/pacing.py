@@ -112,7 +112,7 @@ class DecodePacer:
     def slack(self, running: list[Request], now: float, max_model_len: int) -> float:
         """Seconds the next step may take with every protected decoding sequence still on
         its target; inf when none is decoding or none can still meet it."""
-        decoding = [r for r in running if _decoding(r)]
+        decoding = [r for r in running if r.is_decoding]
         step = self.model.decode_seconds(len(decoding))
         slack = math.inf
         for r in decoding:
@@ -139,15 +139,10 @@ class DecodePacer:
         slack = self.slack(running, now, max_model_len)
         if math.isinf(slack):
             return None
-        decodes = sum(1 for r in running if _decoding(r))
+        decodes = sum(1 for r in running if r.is_decoding)
         tokens = self.model.prompt_tokens_within(slack - self.model.decode_seconds(decodes))
         tokens = tokens // self.block_size * self.block_size
         held = self._last_prompt_step is not None and now - self._last_prompt_step
         if tokens == 0 and held and held > self.max_hold_s:
             return self.block_size
         return tokens
-
-
-def _decoding(req: Request) -> bool:
-    """Its next step computes one token: the last one sampled."""
-    return bool(req.output_token_ids) and req.num_computed_tokens >= req.num_tokens - 1

@@ -211,6 +211,11 @@ class Request:
         return self.sampling.n > 1 and self.parent_id is None and not self.output_token_ids
 
     @property
+    def is_decoding(self) -> bool:
+        """Its next step computes one token: the last one sampled."""
+        return bool(self.output_token_ids) and self.num_computed_tokens >= self.num_tokens - 1
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

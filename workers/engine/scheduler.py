@@ -50,6 +50,7 @@ class Scheduler:
             else None
         )
         self._prompt_allowance: int | None = None  # this step's, under pacing; None: no limit
+        self._decodes_due = 0  # this step's running decodes not yet served: their budget
         # Pacing: the last step scheduled and when, to time it by the next one's start.
         self._timing: tuple[SchedulerOutput, float] | None = None
         self.pool = pool
@@ -158,6 +159,7 @@ class Scheduler:
         # Sorted once a step: admissions only pop from it, and a preemption (which appends)
         # ends admission for the step.
         self.waiting.sort(key=self.policy.key)
+        self._decodes_due = sum(1 for r in self.running if r.is_decoding)
         if self.pacer is not None:
             now = self.clock()
             self._observe_last_step(now)
@@ -353,6 +355,9 @@ class Scheduler:
     def _num_new_tokens(self, req: Request, budget: int, skip: int = 0) -> int:
         remaining = req.num_tokens - req.num_computed_tokens - skip
         if remaining > 1:  # a prompt (or recompute) chunk
+            # Never out of the running decodes' budget: a prompt served ahead of them (an
+            # aged one, under shortest-first) would otherwise stall the whole batch.
+            budget -= self._decodes_due
             if self.config.enable_chunked_prefill:
                 remaining = min(remaining, self.config.prefill_chunk_size)
                 if self._prompt_allowance is not None:
@@ -382,6 +387,8 @@ class Scheduler:
             forks=tuple(range(1, req.sampling.n)) if sample and req.forks_pending else (),
         )
         (out.decodes if n == 1 else out.prefills).append(sched)
+        if n == 1 and not padding and req.is_decoding:
+            self._decodes_due = max(0, self._decodes_due - 1)
         if n > 1 and self._prompt_allowance is not None:
             self._prompt_allowance = max(0, self._prompt_allowance - n)
 
