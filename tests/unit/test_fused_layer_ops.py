@@ -2,6 +2,7 @@
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -79,6 +80,45 @@ def test_gather_blocks_matches_index_select_on_one_thread(ops, dtype):
     with pytest.raises(RuntimeError, match="contiguous"):
         strided = torch.randn(40, 2, 4, 3, 32).to(dtype)[..., ::2]  # each block's rows apart
         ops.gather_blocks(got[:1], torch.tensor([0]), strided)
+
+
+def test_kernels_let_go_of_the_gil_while_they_run(ops):
+    """Another Python thread of the process (a worker's KV sender, its token relay, a poll)
+    runs while a kernel does: a long decode attention here. Bound as load_inline binds by
+    default, a kernel held the GIL to its end, and the other thread stood still."""
+    blocks, bs, kvh, d = 2048, 16, 4, 64
+    k_cache, v_cache = torch.randn(blocks, bs, kvh, d), torch.randn(blocks, bs, kvh, d)
+    batch, width = 256, 128  # 256 sequences of 2,048 tokens: ~100 ms on two cores
+    tables = torch.randint(0, blocks, (batch, width))
+    lens = torch.full((batch,), width * bs)
+    q = torch.randn(batch, 2 * kvh, d)
+    stamps, stop = [], threading.Event()
+
+    def spin():  # a time stamp every 64 turns of a pure-Python loop
+        turns = 0
+        while not stop.is_set():
+            turns += 1
+            if not turns % 64:
+                stamps.append(time.perf_counter())
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    try:
+        for _ in range(5):
+            start = time.perf_counter()
+            ops.paged_decode_attention(q, k_cache, v_cache, tables, lens, d**-0.5)
+            end = time.perf_counter()
+            # The middle of the call: a switch to the spinner just after the kernel returned
+            # (it waited for the GIL) stamps at most a switch interval before `end`.
+            margin = max((end - start) / 4, 0.015)
+            inside = [t for t in stamps if start + margin < t < end - margin]
+            if end - start > 0.06 and inside:
+                break
+    finally:
+        stop.set()
+        spinner.join(5)
+    assert end - start > 0.06, f"the kernel took {end - start:.3f} s: too short to tell"
+    assert inside, "the other thread did not run while the kernel did"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
