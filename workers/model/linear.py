@@ -41,6 +41,8 @@ class PackedLinear(nn.Linear):
         """float_out: the result in fp32 (logits); the bf16 kernel then hands back its fp32
         sums, with no bf16 rounding and no cast. The other paths round to bf16 first, so a
         near-tie between two tokens may fall differently on a CPU without AVX512-BF16."""
+        if self.kernels is not None and x.dim() == 2 and x.stride(-1) == 1:
+            return self.kernels.linear_bf16(x, self.packed, float_out)  # a step's rows
         if self.packed is None:
             out = F.linear(x, self.weight, self.bias)
         elif self.kernels is not None:

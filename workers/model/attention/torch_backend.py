@@ -40,8 +40,10 @@ class TorchAttentionBackend(AttentionBackend):
             index = meta.slot_index(k_cache.shape[1])
             k_cache[index] = k
             v_cache[index] = v
-        out = torch.empty_like(q)
         nd = meta.num_decode_tokens
+        if not meta.prefills:  # decodes alone: their output is the whole step's
+            return self._decode(q, k_cache, v_cache, meta, group, scale)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, group, scale)
         for p in meta.prefills:
