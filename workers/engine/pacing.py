@@ -109,10 +109,10 @@ class DecodePacer:
         if prompt_tokens or self._last_prompt_step is None:
             self._last_prompt_step = now
 
-    def slack(self, running: list[Request], now: float, max_model_len: int) -> float:
-        """Seconds the next step may take with every protected decoding sequence still on
-        its target; inf when none is decoding or none can still meet it."""
-        decoding = [r for r in running if r.is_decoding]
+    def slack(self, decoding: list[Request], now: float, max_model_len: int) -> float:
+        """Seconds the next step may take with every protected sequence of `decoding` (the
+        running sequences past their prompts) still on its target; inf when there is none,
+        or none can still meet it."""
         step = self.model.decode_seconds(len(decoding))
         slack = math.inf
         for r in decoding:
@@ -132,15 +132,16 @@ class DecodePacer:
             slack = min(slack, self.target * (k + h) - elapsed - (h - 1) * step)
         return slack
 
-    def prompt_allowance(self, running: list[Request], now: float, max_model_len: int):
-        """Prompt tokens the next step may compute; None for no limit."""
+    def prompt_allowance(self, decoding: list[Request], now: float, max_model_len: int):
+        """Prompt tokens the next step may compute beside `decoding` (as for `slack`); None
+        for no limit."""
         if not self.model.ready:
             return None
-        slack = self.slack(running, now, max_model_len)
+        slack = self.slack(decoding, now, max_model_len)
         if math.isinf(slack):
             return None
-        decodes = sum(1 for r in running if r.is_decoding)
-        tokens = self.model.prompt_tokens_within(slack - self.model.decode_seconds(decodes))
+        spare = slack - self.model.decode_seconds(len(decoding))
+        tokens = self.model.prompt_tokens_within(spare)
         tokens = tokens // self.block_size * self.block_size
         held = self._last_prompt_step is not None and now - self._last_prompt_step
         if tokens == 0 and held and held > self.max_hold_s:

@@ -159,12 +159,13 @@ class Scheduler:
         # Sorted once a step: admissions only pop from it, and a preemption (which appends)
         # ends admission for the step.
         self.waiting.sort(key=self.policy.key)
-        self._decodes_due = sum(1 for r in self.running if r.is_decoding)
+        decoding = [r for r in self.running if r.is_decoding]
+        self._decodes_due = len(decoding)
         if self.pacer is not None:
             now = self.clock()
             self._observe_last_step(now)
             self._prompt_allowance = self.pacer.prompt_allowance(
-                self.running, now, self.config.max_model_len
+                decoding, now, self.config.max_model_len
             )
         budget = self._schedule_running(out, budget, admit and self.policy.admits_ahead)
         for ghost in self.padding:
