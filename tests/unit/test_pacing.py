@@ -166,7 +166,7 @@ def test_a_prompt_held_by_pacing_is_not_failed_as_too_big_when_the_batch_empties
     s.add_request(make_request("r", prompt_len=8, max_tokens=500))
     step_for(s, clock, 0.02)  # its prompt fills 2 blocks; its next token needs a third
     assert s.reserve("held", 4 * s.pool.num_free_blocks) is not None  # every other block
-    s.pacer.prompt_allowance = lambda running, now, max_model_len: 0 if running else None
+    s.pacer.prompt_allowance = lambda decoding, now, max_model_len: 0 if decoding else None
     s.add_request(make_request("w", prompt_len=4, max_tokens=2, first_token=9))
     out = s.schedule()  # r needs a block: alone, it is failed; w waits
     assert [req.request_id for req, _ in out.failed] == ["r"]
@@ -215,7 +215,7 @@ def test_engine_paced_greedy_output_equals_unpaced(tiny_llama_dir):
         )
         sched = engine.scheduler
         if target:
-            sched.pacer.prompt_allowance = lambda running, now, max_model_len: 4
+            sched.pacer.prompt_allowance = lambda decoding, now, max_model_len: 4
             schedule = sched.schedule
 
             def record(schedule=schedule):

@@ -103,15 +103,17 @@ def switched_off() -> bool:
 
 
 def _bindings() -> str:
-    """The module's bindings, each letting go of the GIL while its function runs, as torch's
-    own ops do. Bound as load_inline binds by default, a kernel held the GIL to its end: a
-    worker's other Python threads (the KV sender streaming a prefill's layers, the token
-    relay, a router's poll, a status call) stood still through every linear and attention
-    call of the engine thread, tens of milliseconds a call in a long prompt's chunk. The kernels
-    touch no Python object, and what two threads may run at once (a block gather for a
-    transfer beside a step) reads and writes different blocks."""
+    """The module's bindings: as load_inline's own (`functions=`), each function is wrapped for
+    torch's error handling (a failed check raises RuntimeError with its message alone), and
+    it also lets go of the GIL while it runs, as torch's ops do. Bound so by default, a
+    kernel held the GIL to its end: a worker's other Python threads (the KV sender streaming
+    a prefill's layers, the token relay, a router's poll, a status call) stood still through
+    every linear and attention call of the engine thread, tens of milliseconds a call in a
+    long prompt's chunk. The kernels take and return tensors and scalars only, and touch no
+    Python object; what two threads may run at once (a block gather for a transfer beside a
+    step) reads and writes different blocks."""
     defs = "".join(
-        f'  m.def("{f}", &{f}, py::call_guard<py::gil_scoped_release>());\n' for f in _FUNCTIONS
+        f'  m.def("{f}", torch::wrap_pybind_function_no_gil({f}), "{f}");\n' for f in _FUNCTIONS
     )
     return f"PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{defs}}}\n"
 
@@ -124,7 +126,7 @@ def _build():
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(
-            name=f"tandem_cpu_kernels_v11_{_cpu_tag()}",
+            name=f"tandem_cpu_kernels_v12_{_cpu_tag()}",
             cpp_sources=[src.read_text() for src in _SOURCES] + [_bindings()],
             extra_include_paths=[str(_CSRC)],
             extra_cflags=_CFLAGS,
