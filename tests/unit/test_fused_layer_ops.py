@@ -1,8 +1,12 @@
 """The fused CPU layer kernels against the torch ops they replace, alone and inside the model."""
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,6 +48,41 @@ def test_scatter_blocks_matches_index_copy_and_checks_ids(ops, dtype):
         ops.scatter_blocks(got, torch.tensor([40]), staged[:1])
 
 
+# Counts the threads of a fresh interpreter just after each call ran on a new thread of its
+# own (an OpenMP team lives as long as the thread that started it). In the test process the
+# count is not the kernel's alone: Ray's and gRPC's threads, from earlier tests, come and go.
+_TEAM_PROBE = """
+import json, os, sys, threading
+import torch
+from workers.model.cpu_kernels import cpu_kernels
+
+ops = cpu_kernels()
+dtype = getattr(torch, sys.argv[1])
+cache = torch.randn(40, 3, 2, 4, 3, 16).to(dtype)[:, 1]
+blocks = torch.tensor([31, 2, 17, 39, 0, 5, 6, 7] * 64)
+got = torch.empty(len(blocks), *cache.shape[1:], dtype=dtype)
+
+
+def threads_while(fn):
+    seen = []
+
+    def run():
+        out = fn()
+        seen.append((len(os.listdir("/proc/self/task")), out))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return seen[0]
+
+
+idle, team = threads_while(torch.get_num_threads)  # a new thread's own thread count
+gather, _ = threads_while(lambda: ops.gather_blocks(got, blocks, cache))
+select, _ = threads_while(lambda: torch.index_select(cache, 0, blocks, out=got))
+print(json.dumps({"idle": idle, "team": team, "gather": gather, "select": select}))
+"""
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gather_blocks_matches_index_select_on_one_thread(ops, dtype):
     """A transfer's blocks to be staged, out of a cache whose blocks are strided (one layer
@@ -54,32 +93,28 @@ def test_gather_blocks_matches_index_select_on_one_thread(ops, dtype):
     blocks = torch.tensor([31, 2, 17, 39, 0, 5, 6, 7] * 64)
     want = torch.index_select(cache, 0, blocks)
     got = torch.empty_like(want)
-
-    def threads_while(fn) -> int:
-        """Threads in this process just after fn ran on a new thread (a team lives as long
-        as the thread that started it)."""
-        seen = []
-
-        def run():
-            fn()
-            seen.append(len(os.listdir("/proc/self/task")))
-
-        t = threading.Thread(target=run)
-        t.start()
-        t.join()
-        return seen[0]
-
-    idle = threads_while(lambda: None)  # the same count around a thread that runs nothing
-    assert threads_while(lambda: ops.gather_blocks(got, blocks, cache)) == idle
+    ops.gather_blocks(got, blocks, cache)
     assert torch.equal(got, want)
-    if torch.get_num_threads() > 1:  # what the kernel avoids
-        select = threads_while(lambda: torch.index_select(cache, 0, blocks, out=got))
-        assert select > idle
     with pytest.raises(RuntimeError, match="out of range"):
         ops.gather_blocks(got[:1], torch.tensor([40]), cache)
     with pytest.raises(RuntimeError, match="contiguous"):
         strided = torch.randn(40, 2, 4, 3, 32).to(dtype)[..., ::2]  # each block's rows apart
         ops.gather_blocks(got[:1], torch.tensor([0]), strided)
+
+    root = Path(__file__).resolve().parents[2]
+    probe = subprocess.run(
+        [sys.executable, "-c", _TEAM_PROBE, str(dtype).removeprefix("torch.")],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    counts = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert counts["gather"] == counts["idle"], counts
+    if counts["team"] > 1:  # what the kernel avoids
+        assert counts["select"] > counts["idle"], counts
 
 
 def test_kernels_let_go_of_the_gil_while_they_run(ops):
