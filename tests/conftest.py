@@ -24,7 +24,7 @@ def smollm2_tokenizer_dir(tmp_path_factory):
     return folder
 
 
-def _tiny(kind: str, base, tmp_path_factory):
+def _tiny(kind: str, base, tmp_path_factory, **overrides):
     import shutil
 
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -41,6 +41,7 @@ def _tiny(kind: str, base, tmp_path_factory):
         eos_token_id=2,
         initializer_range=0.2,
     )
+    common |= overrides
     torch.manual_seed(0)
     if kind == "llama":
         cfg = LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10000.0)
@@ -62,7 +63,7 @@ def _tiny(kind: str, base, tmp_path_factory):
     else:
         cfg = Qwen2Config(**common, tie_word_embeddings=False, rope_theta=10000.0)
         model = Qwen2ForCausalLM(cfg)
-    folder = tmp_path_factory.mktemp(f"tiny-{kind}")
+    folder = tmp_path_factory.mktemp(f"tiny-{kind}{'-' if overrides else ''}")
     model.save_pretrained(folder, safe_serialization=True)
     for f in base.iterdir():
         if f.is_file() and not (folder / f.name).exists():
@@ -78,3 +79,17 @@ def tiny_model_dir(request, smollm2_tokenizer_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(smollm2_tokenizer_dir, tmp_path_factory):
     return _tiny("llama", smollm2_tokenizer_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_hd64_dir(smollm2_tokenizer_dir, tmp_path_factory):
+    """A tiny Llama with SmolLM2's head size (64), the one the bf16 attention kernels take."""
+    return _tiny(
+        "llama",
+        smollm2_tokenizer_dir,
+        tmp_path_factory,
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )

@@ -53,6 +53,63 @@ def test_a_replay_from_emitted_tokens_continues_token_for_token(engines, sp):
     assert free(engine)
 
 
+def run_logged(engine, requests):
+    """Runs (prompt, sampling, output_ids) requests together: each one's tokens and logprobs."""
+    ids = {engine.add_request(p, sp, output_ids=out): i for i, (p, sp, out) in enumerate(requests)}
+    got = [([], []) for _ in requests]
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens, logprobs = got[ids[o.request_id]]
+            tokens += o.new_token_ids
+            logprobs += o.new_logprobs
+    return got
+
+
+def bf16_kernels_take(head_dim: int) -> bool:
+    from workers.model.cpu_kernels import cpu_kernels
+
+    k = cpu_kernels()
+    return bool(
+        k is not None and k.linear_bf16_supported() and k.prefill_attention_bf16_supported(head_dim)
+    )
+
+
+@pytest.mark.skipif(
+    not bf16_kernels_take(64), reason="bit-for-bit rows need the bf16 CPU kernels (AVX512-BF16)"
+)
+def test_a_replay_recomputes_its_tokens_bit_for_bit(tiny_llama_hd64_dir):
+    """The tokens a replay computes again attend as the decode steps that first computed them
+    (not as prompt rows), so every logprob after them equals the first run's exactly. In
+    bf16 a prefill's attention and a decode's round differently, and a replayed greedy request
+    used to drift from the first run at the next near-tie. The replays run together, at
+    another chunking and off the prefix cache, so neither the batch nor the chunking may
+    count; nor may a prompt cached whole. (In fp32 torch's linears are not batch-invariant:
+    there the tokens are compared.)"""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_llama_hd64_dir),
+            dtype="bfloat16",
+            num_kv_blocks=256,
+            block_size=4,
+            prefill_chunk_size=16,
+        )
+    )
+    sps = [
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=True),
+        SamplingParams(max_tokens=40, temperature=0.9, seed=5, ignore_eos=True, logprobs=True),
+    ]
+    prompts = [PROMPT + [11, 12, 13], PROMPT[::-1] * 3]  # 13: a 1-token chunk once cached
+    whole = [run_logged(engine, [(p, sp, ())])[0] for p, sp in zip(prompts, sps)]
+    # Again, the prompts cached but their last token: that token is still a prompt row.
+    assert run_logged(engine, list(zip(prompts, sps, [(), ()]))) == whole
+    for k in (1, 13, 39):
+        replays = run_logged(engine, [(p, sp, w[0][:k]) for p, sp, w in zip(prompts, sps, whole)])
+        for (tokens, logprobs), w in zip(replays, whole):
+            assert tokens == w[0][k:], f"replay from {k} tokens diverged"
+            assert logprobs == w[1][k:], f"replay from {k} tokens: logprobs differ"
+    assert free(engine)
+
+
 def handoff(prefill, decode, sp, prior=()):
     """What a prefill worker and a decode worker do, in one process: the outputs of each
     choice (one unless sp.n > 1), by index."""

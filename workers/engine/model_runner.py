@@ -155,7 +155,8 @@ class ModelRunner:
         prefills, row = [], len(out.decodes)
         for s in out.prefills:
             table = torch.tensor(s.block_ids, dtype=torch.long, device=dev)
-            prefills.append(PrefillSlice(row, s.num_tokens, s.context_len, table))
+            out_rows = min(s.num_tokens, max(0, s.context_len - len(s.prompt_ids)))
+            prefills.append(PrefillSlice(row, s.num_tokens, s.context_len, table, out_rows))
             row += s.num_tokens
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),

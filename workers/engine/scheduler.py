@@ -387,7 +387,10 @@ class Scheduler:
             eos_token_ids=req.eos_token_ids,
             forks=tuple(range(1, req.sampling.n)) if sample and req.forks_pending else (),
         )
-        (out.decodes if n == 1 else out.prefills).append(sched)
+        # One token at a prompt position (a chunk's remainder, a prompt cached but its last
+        # token) is a prefill row: a row attends as prompt or as output by its position alone.
+        decode = n == 1 and (padding or start >= len(req.prompt_token_ids))
+        (out.decodes if decode else out.prefills).append(sched)
         if n == 1 and not padding and req.is_decoding:
             self._decodes_due = max(0, self._decodes_due - 1)
         if n > 1 and self._prompt_allowance is not None:

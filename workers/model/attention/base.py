@@ -12,23 +12,48 @@ Each block is contiguous; blocks lie `stride(0)` apart. Token `t` of a sequence 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass
 class PrefillSlice:
-    """One sequence's prefill chunk within the step."""
+    """One sequence's prefill chunk within the step.
+
+    `out_rows`: how many of the chunk's last rows sit at the sequence's output positions: the
+    tokens it generated before, computed again by a replay or after a preemption. A backend
+    that can attends them as the decode steps that first computed them did (`output_part`),
+    so that their K/V and the next token's logits come out bit for bit as they did the first
+    time, and a replayed greedy request ends as one that never stopped (G2).
+    """
 
     q_start: int  # first row of the chunk in the flattened step
     q_len: int  # tokens computed this step
     ctx_len: int  # tokens in the cache after this step (cached prefix + this chunk)
     block_table: torch.Tensor  # [num_blocks_of_sequence], int64
+    out_rows: int = 0
+    _output_part: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def has_prefix(self) -> bool:
         return self.ctx_len > self.q_len
+
+    def prompt_part(self) -> PrefillSlice:
+        """The chunk's rows at prompt positions, as a chunk of their own."""
+        return PrefillSlice(
+            self.q_start, self.q_len - self.out_rows, self.ctx_len - self.out_rows, self.block_table
+        )
+
+    def output_part(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows at output positions as a batch of single-token decodes over this sequence's
+        blocks: (block tables `[out_rows, blocks]`, context lengths `[out_rows]`), each row
+        seeing the keys up to its own position. Built once a step, for every layer."""
+        if self._output_part is None:
+            n, table = self.out_rows, self.block_table
+            lens = torch.arange(self.ctx_len - n + 1, self.ctx_len + 1, device=table.device)
+            self._output_part = (table.expand(n, -1).contiguous(), lens)
+        return self._output_part
 
 
 @dataclass

@@ -9,6 +9,9 @@ attends straight off the paged cache, first chunk or later. Otherwise a chunk wi
 prefix attends to its own fresh K/V, causally, without touching the cache, and a later chunk
 reads its prefix from the cache; on the CPU it attends to the prefix and to itself in two
 mask-free passes, merged exactly by their log-sum-exps.
+A chunk's rows at the sequence's output positions (a replay's tokens, or a preempted
+sequence's, computed again) attend as single-token decodes, as they were first computed: with
+the kernels, whose rows do not depend on the batch or the chunking, each comes out the same.
 """
 
 from __future__ import annotations
@@ -41,14 +44,23 @@ class TorchAttentionBackend(AttentionBackend):
             k_cache[index] = k
             v_cache[index] = v
         nd = meta.num_decode_tokens
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
         if not meta.prefills:  # decodes alone: their output is the whole step's
-            return self._decode(q, k_cache, v_cache, meta, group, scale)
+            return self._decode(q, k_cache, v_cache, tables, lens, group, scale, meta)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, group, scale)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, tables, lens, group, scale, meta)
         for p in meta.prefills:
-            rows = slice(p.q_start, p.q_start + p.q_len)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, p, scale)
+            start, mid, end = p.q_start, p.q_start + p.q_len - p.out_rows, p.q_start + p.q_len
+            if mid > start:
+                part = p.prompt_part() if p.out_rows else p
+                out[start:mid] = self._prefill(
+                    q[start:mid], k[start:mid], v[start:mid], k_cache, v_cache, part, scale
+                )
+            if end > mid:  # output positions, attended as their decode steps were
+                out[mid:end] = self._decode(
+                    q[mid:end], k_cache, v_cache, *p.output_part(), group, scale
+                )
         return out
 
     def _prefill_kernel(self, q, k_cache, v_cache, block_table) -> bool:
@@ -65,26 +77,24 @@ class TorchAttentionBackend(AttentionBackend):
             and self.kernel.prefill_attention_bf16_supported(q.shape[-1])
         )
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, group: int, scale: float):
-        tables = meta.decode_block_tables
+    def _decode(self, q, k_cache, v_cache, tables, lens, group: int, scale: float, meta=None):
+        """Single-token queries, row i over the keys `tables[i]` holds up to `lens[i]`; the
+        step's decode batch passes `meta`, which keeps the fallback's mask for every layer."""
         if self.kernel is not None and paged_blocks_contiguous(k_cache, v_cache):
-            return self.kernel.paged_decode_attention(
-                q, k_cache, v_cache, tables, meta.decode_context_lens, scale
-            )
+            return self.kernel.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
         batch, max_blocks = tables.shape
         _, block_size, kvh, d = k_cache.shape
         length = max_blocks * block_size
-        if meta.decode_mask is None:
-            pos = torch.arange(length)
-            meta.decode_mask = (pos[None, :] < meta.decode_context_lens[:, None]).view(
-                batch, 1, 1, length
-            )
+        mask = None if meta is None else meta.decode_mask
+        if mask is None:
+            pos = torch.arange(length, device=lens.device)
+            mask = (pos[None, :] < lens[:, None]).view(batch, 1, 1, length)
+            if meta is not None:
+                meta.decode_mask = mask
         keys = k_cache[tables].view(batch, length, kvh, d).transpose(1, 2)
         values = v_cache[tables].view(batch, length, kvh, d).transpose(1, 2)
         qg = q.view(batch, kvh, group, d)
-        o = F.scaled_dot_product_attention(
-            qg, keys, values, attn_mask=meta.decode_mask, scale=scale
-        )
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
         return o.reshape(batch, kvh * group, d)
 
     def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillSlice, scale: float):
