@@ -61,6 +61,24 @@ def test_a_short_request_with_n_choices_forks_on_its_decode_worker(cluster):
     cluster.wait_all_free()
 
 
+def test_a_stop_the_prefill_workers_first_token_completes_is_cut_as_offline(cluster):
+    """A long prompt's first token comes from the prefill worker, and the router streams it
+    before a decode worker has matched it against the stops: its text must still end before
+    a stop it completes, as the offline engine's does (G4, for the text)."""
+    from workers.offline import LLM
+
+    tok = cluster.cluster.router.tokenizer
+    [plain] = cluster.generate_many([greedy(LONG, 8)])
+    first = tok.decode(plain.token_ids[:1])
+    stops = {first[-1], first.strip()[:2]} - {""}
+    requests = [greedy(LONG, 8, stop=(stop,)) for stop in sorted(stops)]
+    want = [c.text for c in LLM(dtype="float32", num_kv_blocks=512).generate(requests)]
+    for req, r, text in zip(requests, cluster.generate_many(requests), want):
+        assert r.status == "OK", r.error
+        assert (r.text, r.finish_reason) == (text, "stop"), (req.sampling.stop, first)
+    cluster.wait_all_free()
+
+
 @pytest.mark.fault
 @pytest.mark.timeout(900)
 def test_locally_prefilled_streams_survive_their_decode_worker(cluster):

@@ -1,5 +1,5 @@
 from workers.model.loader import ModelSource
-from workers.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from workers.model.tokenizer import IncrementalDetokenizer, TextStream, Tokenizer
 
 
 def test_streaming_never_splits_multibyte_characters(smollm2_tokenizer_dir):
@@ -18,3 +18,20 @@ def test_chat_template_wraps_one_user_message(smollm2_tokenizer_dir):
     text = tok.hf.decode(ids)
     assert "<|im_start|>user\nWhat is 2+2?<|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_a_stop_completed_by_a_token_not_yet_cut_is_never_shown(smollm2_tokenizer_dir):
+    """A prefill's first token reaches the stream before a decode worker has matched it
+    against the stops (no cut text): the text stops short of any stop it completes, and the
+    engine's cut, when it comes, finds nothing of the stop shown."""
+    tok = Tokenizer(ModelSource(smollm2_tokenizer_dir))
+    ids = tok.encode(" Paris is lovely.")
+    first = tok.decode(ids[:1])
+    for stop in (first[-1], first.strip(), first[1:3], " is", "."):
+        text = tok.decode(ids)
+        cut = text[: text.find(stop)]
+        s = TextStream(tok, (stop,))
+        shown = s.push(ids[:1], None, False)  # the router's early event
+        assert stop not in shown and cut.startswith(shown), (stop, shown)
+        shown += s.push(ids[1:], cut, True)  # the decode worker's, cut
+        assert shown == cut, stop

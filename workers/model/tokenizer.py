@@ -86,10 +86,15 @@ class IncrementalDetokenizer:
 class TextStream:
     """Text deltas for one request's stream. `cut_text`, when given, is the engine's text so far
     already cut at a stop string; with stop strings, the last few characters are held back until
-    they can no longer begin a stop string, so nothing streamed is ever taken back."""
+    they can no longer begin a stop string, so nothing streamed is ever taken back.
+
+    Tokens pushed without `cut_text` (a prefill's first token, streamed by the router before a
+    decode worker has matched it against the stops) are shown only up to the first stop they
+    complete: the engine's cut of that token comes later, and must not find it shown already."""
 
     def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...] = ()) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = tuple(stops)
         self.holdback = max((len(s) for s in stops), default=1) - 1
         self.emitted = 0
 
@@ -100,6 +105,10 @@ class TextStream:
             self.detok.push(new_ids)
             full = self.detok.text
         visible = len(full) if finished else len(full) - self.holdback
+        if cut_text is None and self.stops:
+            # Only a stop that ends past what was shown can be new: start the search there.
+            starts = (full.find(s, max(0, self.emitted - len(s) + 1)) for s in self.stops)
+            visible = min([visible, *(i for i in starts if i >= 0)])
         if visible <= self.emitted:
             return ""
         delta = full[self.emitted : visible]
