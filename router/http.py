@@ -234,24 +234,20 @@ class OpenAIFront:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise HttpError(400, "messages: give a non-empty list of messages", "messages")
+            turns = []
             for m in messages:
                 if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
                     raise HttpError(400, "messages: each needs a role and content", "messages")
-                if not isinstance(m.get("content"), str):
-                    raise HttpError(
-                        400, "messages: content must be a string (text only)", "messages"
-                    )
+                turns.append({"role": m["role"], "content": _content(m.get("content"))})
             try:
-                return self.tokenizer.encode_messages(
-                    [{"role": m["role"], "content": m["content"]} for m in messages]
-                )
+                return self.tokenizer.encode_messages(turns)
             except Exception as e:  # no template, or the template refuses these roles
                 raise HttpError(400, f"messages: {e}", "messages") from None
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str) and prompt:
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(_check_unicode(prompt, "prompt"))
         if (
             isinstance(prompt, list)
             and prompt
@@ -447,6 +443,36 @@ class _Choice:
             "logprobs": logprobs,
             "finish_reason": self.finish_reason,
         }
+
+
+def _content(content) -> str:
+    """A message's text: a string, or OpenAI's list of content parts, whose text parts are
+    joined by newlines (as vLLM joins them); any other part is refused by its type."""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise HttpError(
+                    400, f"messages: only text content parts are served, not {kind!r}", "messages"
+                )
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    if not isinstance(content, str):
+        raise HttpError(400, "messages: content must be text or a list of text parts", "messages")
+    return _check_unicode(content, "messages")
+
+
+def _check_unicode(text: str, param: str) -> str:
+    """JSON may carry a lone surrogate (`"\\ud800"`), which no tokenizer or protobuf string
+    takes: a 400 naming it, not a 500 from deep inside."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise HttpError(
+            400, f"{param}: not valid Unicode ({e.reason} at {e.start})", param
+        ) from None
+    return text
 
 
 def _token_entry(text: str, logprob: float) -> dict:

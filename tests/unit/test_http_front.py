@@ -22,8 +22,10 @@ class StubRouter:
 
     def __init__(self, tokenizer, status: Status, tokens: int = 0) -> None:
         self.tokenizer, self.status, self.tokens = tokenizer, status, tokens
+        self.prompts: list[list[int]] = []  # what each request asked, in order
 
     async def generate(self, adm):
+        self.prompts.append(list(adm.prompt_ids))
         for i in range(self.tokens):
             yield Chunk(i, (100 + i,), "x")
         if self.status is Status.OK:
@@ -34,9 +36,10 @@ class StubRouter:
             raise RouterError(self.status, f"refused: {self.status.value}")
 
 
-def serve(tokenizer, status, tokens=0):
+def serve(tokenizer, status, tokens=0, router=None):
     async def run(body):
-        front = OpenAIFront(StubRouter(tokenizer, status, tokens), "m", 2048, 49152)
+        router_ = router or StubRouter(tokenizer, status, tokens)
+        front = OpenAIFront(router_, "m", 2048, 49152)
         server = TestServer(front.app())
         await server.start_server()
         try:
@@ -109,3 +112,48 @@ def test_malformed_bodies_are_400_naming_the_field(tokenizer):
         assert done.choices[0].finish_reason == "length"
 
     asyncio.run(serve(tokenizer, Status.OK, tokens=2)(body))
+
+
+def test_a_lone_surrogate_is_a_400_naming_its_field(tokenizer):
+    """JSON can spell a string no tokenizer or protobuf takes ("\\ud800"): a clear 400, not a
+    500 from inside the tokenizer."""
+    import httpx
+
+    async def body(client):
+        async with httpx.AsyncClient(base_url=str(client.base_url)) as http:
+            for path, raw, field in [
+                ("completions", r'{"prompt": "\ud800 hi"}', "prompt"),
+                (
+                    "chat/completions",
+                    r'{"messages": [{"role": "user", "content": "a\udfff"}]}',
+                    "messages",
+                ),
+                ("completions", r'{"prompt": "hi", "stop": ["\ud800"]}', "stop"),
+            ]:
+                r = await http.post(path, content=raw, headers={"Content-Type": "application/json"})
+                assert r.status_code == 400, (path, r.text)
+                assert field in r.json()["error"]["message"], r.text
+
+    asyncio.run(serve(tokenizer, Status.OK, tokens=2)(body))
+
+
+def test_chat_content_parts_are_their_text_and_other_parts_are_refused(tokenizer):
+    """OpenAI's list-of-parts content: text parts joined by newlines, as vLLM does; an image
+    part is a 400 naming its type. The StubRouter's prompt ids show what was encoded."""
+    router = StubRouter(tokenizer, Status.OK, tokens=2)
+
+    async def body(client):
+        parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+        for content in (parts, "Hello\nthere"):
+            await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": content}], max_tokens=2
+            )
+        want = tokenizer.encode_messages([{"role": "user", "content": "Hello\nthere"}])
+        assert router.prompts == [want, want]
+        image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+        with pytest.raises(openai.BadRequestError, match="image_url"):
+            await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": [image]}], max_tokens=2
+            )
+
+    asyncio.run(serve(tokenizer, Status.OK, router=router)(body))

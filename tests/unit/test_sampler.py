@@ -183,3 +183,16 @@ def test_low_temperature_sharpens_and_mixed_batch_keeps_greedy_rows_greedy():
     t.all_greedy = False
     ids = sample(logits, t).token_ids
     assert (ids[:500] == 0).all() and len(set(ids[500:].tolist())) == 3
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-30, 1e-40])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
+    """As vLLM: logits / 1e-40 overflow to inf and the softmax to NaN, which drew the last id
+    of the vocabulary; under GREEDY_BELOW the row is the argmax, in a batch or alone."""
+    from workers.engine.request import SamplingParams
+
+    assert SamplingParams(temperature=temperature).greedy
+    logits = torch.randn(8, 1000) * 5
+    t = tensors(8, temperature=temperature)
+    t.all_greedy = False  # a mixed batch takes the sampling path
+    assert sample(logits, t).token_ids.tolist() == logits.argmax(-1).tolist()

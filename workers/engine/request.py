@@ -50,10 +50,15 @@ def choice_seed(seed: int, index: int) -> int:
     return (seed + index) & (2**63 - 1)
 
 
+# Temperatures below this are greedy, as in vLLM: dividing by one would overflow the logits.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """vLLM's meanings: temperature 0 is greedy; top_k 0 or -1, top_p 1 and min_p 0 disable
-    filtering; ignore_eos lets EOS be emitted like any other token without ending the request.
+    """vLLM's meanings: temperature 0 (or under GREEDY_BELOW) is greedy; top_k 0 or -1, top_p 1
+    and min_p 0 disable filtering; ignore_eos lets EOS be emitted like any other token without
+    ending the request.
 
     Penalties, as vLLM applies them: `repetition_penalty` divides the positive logits (and
     multiplies the negative ones) of every token seen in the prompt or the output;
@@ -146,7 +151,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.engine.request import GREEDY_BELOW
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -190,7 +192,7 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     if t.all_greedy:
         token_ids = greedy_ids
     else:
-        greedy = t.temperature == 0
+        greedy = t.temperature < GREEDY_BELOW
         temp = torch.where(greedy, torch.ones_like(t.temperature), t.temperature)
         scaled = logits / temp[:, None]
         if t.min_p is not None:
