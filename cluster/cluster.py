@@ -153,10 +153,12 @@ class Cluster:
             mode=cfg.mode,
         )
         await self.router.start()
+        # The longest sequence the workers take: a longer one is refused here, as invalid.
+        max_len = cfg.engine.context_len(model_cfg.max_position_embeddings)
         self.server, self.port, self.controller = await start_server(
             self.router,
             cfg.router.port,
-            model_cfg.max_position_embeddings,
+            max_len,
             model_cfg.vocab_size,
             cfg.mode,
             cfg.router.auth_token,
@@ -178,7 +180,7 @@ class Cluster:
             front = OpenAIFront(
                 self.router,
                 cfg.engine.model or DEFAULT_MODEL,
-                model_cfg.max_position_embeddings,
+                max_len,
                 model_cfg.vocab_size,
                 cfg.router.auth_token,
             )

@@ -20,14 +20,14 @@ def cluster_config(**values) -> ClusterConfig:
     return config_io.build(ClusterConfig, values, "test config")
 
 
-def one_by_one(data_dir: str, **router) -> ClusterHarness:
+def one_by_one(data_dir: str, engine: dict | None = None, **router) -> ClusterHarness:
     """One prefill and one decode worker with 256 KV blocks each, the router on free ports
-    (plus `router` fields, e.g. http_port=0)."""
+    (plus `engine` and `router` fields, e.g. http_port=0)."""
     return ClusterHarness(
         cluster_config(
             router={"port": 0, **router},
             dashboard=False,
-            engine={"num_kv_blocks": 256},
+            engine={"num_kv_blocks": 256, **(engine or {})},
             data_dir=data_dir,
         )
     )

@@ -6,18 +6,25 @@ SmolLM2 in fp32."""
 import pytest
 
 from tests.integration.harness import CHATS, greedy, offline_reference, one_by_one
+from workers.completion import GenerationRequest
+from workers.engine.request import SamplingParams
 from workers.messages import Pool
 
 pytestmark = pytest.mark.integration
 
 LOCAL_MAX = 64  # every chat below fits; the long ones do not
+MAX_LEN = 1024  # the engines' max_model_len, under the model's 8192
 LONG = " ".join(CHATS)  # about 120 tokens with the chat template
 REQUESTS = [greedy(c, 16) for c in CHATS[:4]] + [greedy(LONG + f" ({i})", 16) for i in range(2)]
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    h = one_by_one(str(tmp_path_factory.mktemp("data")), local_prefill_max_tokens=LOCAL_MAX)
+    h = one_by_one(
+        str(tmp_path_factory.mktemp("data")),
+        engine={"max_model_len": MAX_LEN},
+        local_prefill_max_tokens=LOCAL_MAX,
+    )
     yield h
     h.stop()
 
@@ -76,6 +83,35 @@ def test_a_stop_the_prefill_workers_first_token_completes_is_cut_as_offline(clus
     for req, r, text in zip(requests, cluster.generate_many(requests), want):
         assert r.status == "OK", r.error
         assert (r.text, r.finish_reason) == (text, "stop"), (req.sampling.stop, first)
+    cluster.wait_all_free()
+
+
+def test_the_engines_max_model_len_bounds_requests_at_the_router(cluster):
+    """Past the engines' max_model_len (not the model's context) a request is refused as
+    invalid at admission, naming the limit; it used to reach a worker that refused it, and
+    came back RESOURCE_EXHAUSTED (retry) or UNAVAILABLE after every attempt."""
+    from router.client import to_proto
+
+    tok = cluster.cluster.router.tokenizer
+    words = " ".join(["word"] * (MAX_LEN + 50))
+    too_long = GenerationRequest(
+        prompt_ids=tok.encode(words)[: MAX_LEN + 10], sampling=SamplingParams(max_tokens=4)
+    )
+    too_much = GenerationRequest(
+        prompt_ids=tok.encode(words)[:1000], sampling=SamplingParams(max_tokens=100)
+    )
+    for req in (too_long, too_much):
+        r = cluster.run(cluster.client.generate(to_proto(req), timeout_s=60))
+        assert r.status == "INVALID_ARGUMENT" and str(MAX_LEN) in r.error, (r.status, r.error)
+    [fits] = cluster.generate_many(
+        [
+            GenerationRequest(
+                prompt_ids=tok.encode(words)[:1000],
+                sampling=SamplingParams(max_tokens=4, ignore_eos=True),
+            )
+        ]
+    )
+    assert fits.status == "OK" and len(fits.token_ids) == 4, fits.error
     cluster.wait_all_free()
 
 

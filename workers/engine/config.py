@@ -120,6 +120,11 @@ class EngineConfig:
             raise ValueError(f"num_threads={self.num_threads}: must be positive")
         self.scheduler(self.max_model_len or 8192)  # its checks name engine fields too
 
+    def context_len(self, model_max: int) -> int:
+        """The longest sequence (prompt and output) an engine of this config takes, for a
+        model whose own context is `model_max`: max_model_len caps it, never raises it."""
+        return min(self.max_model_len or model_max, model_max)
+
     def scheduler(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's configuration, once the model's context length is known."""
         return SchedulerConfig(

@@ -102,10 +102,7 @@ class LLMEngine:
         if model is None:
             model = build_model(self.source, getattr(torch, config.dtype), device)
         self.model_config = model.cfg
-        self.max_model_len = min(
-            config.max_model_len or model.cfg.max_position_embeddings,
-            model.cfg.max_position_embeddings,
-        )
+        self.max_model_len = config.context_len(model.cfg.max_position_embeddings)
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(model)
         self.runner = ModelRunner(
             model, num_blocks, config.block_size, device, config.attention_backend
