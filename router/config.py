@@ -66,7 +66,9 @@ class RouterConfig:
             raise bad("port", "must be a TCP port (0 picks a free one)")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise bad("http_port", "must be a TCP port (0 picks a free one)")
-        for name in ("max_in_flight", "max_queue", "local_prefill_max_tokens"):
+        if self.max_in_flight < 1:  # 0 slots: every request would wait forever (G6)
+            raise bad("max_in_flight", "must be at least 1")
+        for name in ("max_queue", "local_prefill_max_tokens"):
             if getattr(self, name) < 0:
                 raise bad(name, "must be >= 0")
         for name in (

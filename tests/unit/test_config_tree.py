@@ -119,6 +119,7 @@ def test_file_then_flags_and_errors_name_the_field(tmp_path):
         ({"engine": {"blok_size": 16}}, "unknown config field(s) engine.blok_size"),
         ({"engine": {"block_size": "big"}}, "engine.block_size='big': expected int"),
         ({"router": {"max_retries": -1}}, "router: max_retries=-1: must be >= 0"),
+        ({"router": {"max_in_flight": 0}}, "router: max_in_flight=0: must be at least 1"),
         ({"prefill": {"replicas": 0}}, "prefill.replicas: a disaggregated cluster needs"),
         ({"redis": {"url": "http://x"}}, "redis: url='http://x'"),
         ({"dashboard": "maybe"}, "dashboard='maybe': expected true or false"),
