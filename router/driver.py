@@ -145,13 +145,17 @@ class RequestDriver:
                     self._replay_starts(f.reason)
         except asyncio.CancelledError:
             if not self.abandoned:
-                await self._clean_up()
-                self._end(Status.OK, "cancelled")
+                try:  # a second cancel may land while this waits: the stream still ends
+                    await self._clean_up()
+                finally:
+                    self._end(Status.OK, "cancelled")
             raise
         except Exception as e:  # a bug here must still end the stream and the record
             log.exception("request %s: driver failed", self.request_id)
-            await self._clean_up()
-            self._end(Status.INTERNAL, "error", f"{type(e).__name__}: {e}")
+            try:
+                await self._clean_up()
+            finally:
+                self._end(Status.INTERNAL, "error", f"{type(e).__name__}: {e}")
         finally:
             self.router.forget(self)
 

@@ -318,18 +318,27 @@ class DecodeWorker(WorkerBase):
         held = self._held.get(rid)
         if held is None or held.attempt != attempt:
             return
-        events = [
-            TokenEvent(
-                cid,
-                attempt,
-                self._held[cid].offset,
-                finish_reason=FinishReason.ERROR,
-                status=Status.UNAVAILABLE,
-                error=message,
-            )
-            for cid in [rid, *self._unforked(rid)]
-        ]
-        self.relay.emit(events)
+        self._end_here(rid, attempt, Status.UNAVAILABLE, FinishReason.ERROR, message)
+
+    def _end_here(
+        self, rid: str, attempt: int, status: Status, reason: FinishReason, message: str
+    ) -> None:
+        """End a request here, telling whoever follows it (its router, which may not be the
+        one that asked) with a last event, and drop it."""
+        self.relay.emit(
+            [
+                TokenEvent(
+                    cid,
+                    attempt,
+                    held.offset,
+                    finish_reason=reason,
+                    status=status,
+                    error=message,
+                )
+                for cid in [rid, *self._unforked(rid)]
+                if (held := self._held.get(cid)) is not None
+            ]
+        )
         self._drop(rid)
 
     def _drop(self, rid: str) -> None:
@@ -430,14 +439,19 @@ class DecodeWorker(WorkerBase):
         return self.on_loop(self._cancel, request_id)
 
     def _cancel(self, rid: str) -> bool:
-        found = rid in self._held
-        if not found and choice_index(rid) > 0:  # a choice whose request's KV is on its way
+        held = self._held.get(rid)
+        if held is None and choice_index(rid) > 0:  # a choice whose request's KV is on its way
             parent = self._held.get(rid.rpartition("#")[0])
             if parent is not None and parent.reserved_until is not None:
                 parent.dropped.add(choice_index(rid))
                 return True
-        self._drop(rid)
-        return found
+        if held is None:
+            self._drop(rid)
+            return False
+        # The cancel may come from another router than the one following the request: that
+        # one must end its stream now, not wait for tokens and then replay a cancelled request.
+        self._end_here(rid, held.attempt, Status.CANCELLED, FinishReason.CANCELLED, "cancelled")
+        return True
 
     def phase(self, request_id: str, attempt: int) -> str:
         """Where this attempt of the request stands here: "running", "reserved" (its KV has

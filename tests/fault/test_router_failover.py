@@ -66,6 +66,51 @@ def routers(tmp_path_factory):
         redis.stop()
 
 
+def test_a_cancel_sent_to_another_router_ends_the_stream_at_once(routers):
+    """A stream runs through router A; its cancel goes to router B, which does not drive it.
+    B cancels it on its decode worker, and the worker's last event tells A, whose stream ends
+    "cancelled" then. (A used to hear nothing, give up on the decode worker after
+    stall_timeout_s, and replay the cancelled request to its end.)"""
+    from workers.completion import GenerationRequest
+    from workers.engine.request import SamplingParams
+
+    req = GenerationRequest(
+        prompt="Count from one to a thousand, in words.",
+        sampling=SamplingParams(max_tokens=400, temperature=0, ignore_eos=True),
+    )
+
+    async def go():
+        a, b = TandemClient(routers["addr_a"]), TandemClient(routers["addr_b"])
+        got = []
+        try:
+            task = asyncio.create_task(
+                a.generate(
+                    to_proto(req, "cross-cancel"),
+                    timeout_s=60,
+                    on_chunk=lambda m: got.extend(m.token_ids),
+                )
+            )
+            for _ in range(3000):  # bounded: 30 s
+                if len(got) >= 5 or task.done():
+                    break
+                await asyncio.sleep(0.01)
+            assert await b.cancel("cross-cancel")
+            return await task
+        finally:
+            await a.close()
+            await b.close()
+
+    r = asyncio.run(go())
+    assert (r.status, r.finish_reason) == ("OK", "cancelled"), (r.status, r.finish_reason, r.error)
+    assert 5 <= len(r.token_ids) < 400
+
+    def status():
+        return asyncio.run(fetch_status(routers["addr_a"]))
+
+    assert status()["router"]["replays_total"] == 0
+    assert_clean(status, lambda: asyncio.run(active(routers)))
+
+
 def test_router_killed_mid_stream_clients_resume_on_another(routers):
     async def go():
         client = TandemClient([routers["addr_a"], routers["addr_b"]])
