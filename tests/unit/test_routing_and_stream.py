@@ -127,3 +127,54 @@ def test_choices_streams_merge_as_they_come_each_tagged_until_all_end(smollm2_to
     for i, s in enumerate(streams):
         mine = [t for j, ts, _ in got if j == i for t in ts]
         assert mine == s.tokens and [f for j, _, f in got if j == i][-1]
+
+
+def test_a_second_cancel_during_clean_up_still_ends_the_stream_and_record(smollm2_tokenizer_dir):
+    """A Cancel call and the client going away may both cancel a request's driver; the second
+    can land while the first waits on its workers to free the request. The stream and the
+    record must end all the same: a stream left open waits forever (G6)."""
+    from router.config import RouterConfig
+    from router.driver import RequestDriver
+    from workers.engine.request import SamplingParams
+    from workers.messages import RequestSpec
+
+    class Router:
+        config = RouterConfig()
+
+        def __init__(self):
+            self.cleaning, self.ended, self.forgotten = asyncio.Event(), [], False
+
+        async def cancel_on(self, names, ids):
+            self.cleaning.set()
+            await asyncio.Event().wait()  # a worker slow to answer
+
+        def record_end(self, driver, state, reason, error):
+            self.ended.append((state.value, reason))
+
+        def forget(self, driver):
+            self.forgotten = True
+
+    async def go():
+        router = Router()
+        stream = RequestStream.open("r", Tokenizer(ModelSource(smollm2_tokenizer_dir)))
+        d = RequestDriver(router, RequestSpec("r", (1, 2), SamplingParams(seed=1)), stream)
+        d.decode = "decode-0"
+
+        async def attempt(n):
+            await asyncio.Event().wait()  # generating
+
+        d._attempt = attempt
+        d.start()
+        await asyncio.sleep(0)
+        d.task.cancel()
+        await asyncio.wait_for(router.cleaning.wait(), 5)
+        d.task.cancel()  # again, mid clean-up
+        try:
+            await asyncio.wait_for(d.task, 5)
+        except asyncio.CancelledError:
+            pass
+        return router, stream
+
+    router, stream = asyncio.run(go())
+    assert stream.finished and stream.chunks[-1].finish_reason == "cancelled"
+    assert router.ended == [("CANCELLED", "cancelled")] and router.forgotten
