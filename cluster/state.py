@@ -155,17 +155,40 @@ return 0
 
 
 _UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError)
+# A Redis that answers but takes no writes for now (out of memory, its disk full or failing
+# under AOF, a replica): as good as away, and as likely to come back.
+# redis-py names some of these errors by class, and leaves the others' codes in the message.
+_REFUSING = (
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.MasterDownError,
+    redis.exceptions.TryAgainError,
+)
+_REFUSING_CODES = ("OOM", "MISCONF", "READONLY", "MASTERDOWN", "NOREPLICAS", "TRYAGAIN")
+
+
+def _away(e: Exception) -> ConnectionError | None:
+    """The builtin ConnectionError for a Redis error that means the store is away or refuses
+    writes for now; None for any other error (a bug: it propagates as it is)."""
+    if isinstance(e, _UNREACHABLE + _REFUSING) or (
+        isinstance(e, redis.ResponseError) and str(e).startswith(_REFUSING_CODES)
+    ):
+        return ConnectionError(f"{type(e).__name__}: {e}")
+    return None
 
 
 def _reachable(fn):
-    """Redis's connection and timeout errors, as the builtin ConnectionError."""
+    """Redis's connection and timeout errors, and its refusals of writes, as the builtin
+    ConnectionError."""
 
     @functools.wraps(fn)
     async def wrapper(*args, **kwargs):
         try:
             return await fn(*args, **kwargs)
-        except _UNREACHABLE as e:
-            raise ConnectionError(f"{type(e).__name__}: {e}") from e
+        except (redis.RedisError, OSError) as e:
+            if (away := _away(e)) is None:
+                raise
+            raise away from e
 
     return wrapper
 
@@ -420,8 +443,10 @@ class RedisTokenLog:
                     keys, args = _append_args(w, self.ttl_s)
                     self._script(keys=keys, args=args, client=p)
                 results = p.execute()
-        except _UNREACHABLE as e:
-            raise ConnectionError(f"{type(e).__name__}: {e}") from e
+        except (redis.RedisError, OSError) as e:
+            if (away := _away(e)) is None:
+                raise
+            raise away from e
         return [
             LogAck(w.request_id, LogResult(res), int(n)) for w, (res, n) in zip(writes, results)
         ]

@@ -258,3 +258,33 @@ def test_a_tls_redis_through_a_rediss_url(tmp_path):
         run(with_store(url, lambda s: s.begin_attempt("tls", 1, "router-a", "p", "d", "")))
         ack = RedisTokenLog(url).write([LogWrite("tls", 1, 0, (1, 2, 3))])[0]
         assert ack.result is LogResult.OK and ack.length == 3
+
+
+def test_a_redis_that_refuses_writes_is_away_until_it_takes_them_again(tmp_path):
+    """Out of memory (or its AOF disk full: MISCONF), Redis answers every write with an error.
+    The store raises the builtin ConnectionError for it, as for a Redis that is down, so the
+    router refuses new requests as UNAVAILABLE and its writer retries; it used to raise a raw
+    ResponseError (gRPC UNKNOWN, HTTP 500) and drop queued writes."""
+    r = EmbeddedRedis(tmp_path).start()
+    admin = redis.Redis.from_url(r.url)
+
+    async def go():
+        store = RedisStore(r.url)
+        log = store.token_log()
+        assert await store.create(record("fits"))
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", 1)
+        try:
+            with pytest.raises(ConnectionError, match="OutOfMemory|OOM"):
+                await store.create(record("refused"))
+            with pytest.raises(ConnectionError, match="OutOfMemory|OOM"):
+                await asyncio.to_thread(log.write, [LogWrite("fits", 1, 0, (5, 6))])
+        finally:
+            admin.config_set("maxmemory", 0)
+        return await store.create(record("after"))
+
+    try:
+        assert run(go())
+    finally:
+        admin.close()
+        r.stop()
