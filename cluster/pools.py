@@ -14,6 +14,7 @@ scaled, drained, replaced and stopped here. This is the router's WorkerDirectory
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -206,7 +207,7 @@ class PoolManager:
             kwargs["token_log"] = self.token_log
         cls = PrefillWorker if pool is Pool.PREFILL else DecodeWorker
         return (
-            ray.remote(cls)
+            ray.remote(concurrency_groups={CONTROL: 8})(actor_class(cls))
             .options(
                 name=name,
                 namespace=self.namespace,
@@ -490,3 +491,21 @@ def pool_engine(engine: EngineConfig, threads: int | None, cpus: float) -> Engin
     if engine.device != "cpu":
         return engine
     return replace(engine, num_threads=threads or engine.num_threads or max(1, int(cpus)))
+
+
+CONTROL = "control"
+
+
+def actor_class(cls: type) -> type:
+    """The worker class as its actor runs it: its CONTROL_CALLS in a concurrency group of their
+    own, with threads that its long calls (up to max_concurrency of them) cannot all hold."""
+
+    def control(fn):
+        @functools.wraps(fn)
+        def call(self, *args, **kwargs):
+            return fn(self, *args, **kwargs)
+
+        return ray.method(concurrency_group=CONTROL)(call)
+
+    methods = {name: control(getattr(cls, name)) for name in cls.CONTROL_CALLS}
+    return type(cls.__name__, (cls,), {**methods, "__qualname__": cls.__qualname__})

@@ -81,6 +81,7 @@ def status_of(o: RequestOutput) -> Status:
 
 class DecodeWorker(WorkerBase):
     pool = Pool.DECODE
+    CONTROL_CALLS = (*WorkerBase.CONTROL_CALLS, "info", "cancel", "phase", "forget_prefill")
 
     def __init__(
         self,

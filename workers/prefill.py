@@ -56,6 +56,7 @@ class _Job:
 
 class PrefillWorker(WorkerBase):
     pool = Pool.PREFILL
+    CONTROL_CALLS = (*WorkerBase.CONTROL_CALLS, "info", "cancel", "phase", "forget_decode")
 
     def __init__(
         self, name, engine_config, transfer_host=None, transfer_timeout_s=10.0, stream_kv=True

@@ -77,6 +77,12 @@ class WorkerBase:
             self.loop.stop()  # its thread must not wait for a start that never comes
             raise
 
+    # Calls that must answer whatever the worker's long calls (a prefill waiting for its first
+    # token, a KV push, a relay poll) hold: the pool manager runs them on threads of their own,
+    # so that 64 prefills in flight cannot hold up a status call and get a live worker called
+    # dead. Each answers from a snapshot or at the next step boundary.
+    CONTROL_CALLS: tuple[str, ...] = ("status", "ping", "set_draining")
+
     def on_loop(self, fn, *args):
         """Run fn(*args) on the engine loop between two steps and wait for it. A step may take
         seconds on a busy CPU; past LOOP_WAIT_S the loop is called stuck (TimeoutError)."""
