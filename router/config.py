@@ -26,7 +26,11 @@ class RouterConfig:
         default=1024, metadata=_h("requests waiting for a slot; past it: RESOURCE_EXHAUSTED")
     )
     reserve_timeout_s: float = field(
-        default=60.0, metadata=_h("how long a request waits for a decode worker with room")
+        default=60.0,
+        metadata=_h(
+            "how long a request waits for room on a decode worker while none frees any (as "
+            "long as the decode pool moves, a request waits its turn)"
+        ),
     )
     prefill_timeout_s: float = field(default=300.0, metadata=_h("longest wait for a prefill"))
     rpc_timeout_s: float = field(default=30.0, metadata=_h("longest wait for a worker call"))

@@ -76,6 +76,10 @@ class Router:
         self.metrics = RouterMetrics(self.id)
         self.slots = asyncio.Semaphore(config.max_in_flight)
         self.queue_depth = 0
+        # Decode room: counts each sign that the decode pool moves (a reservation granted here,
+        # a worker's free blocks risen), and wakes requests waiting for room (see _reserve).
+        self.decode_progress = 0
+        self._room = asyncio.Event()
         self._pollers: dict[str, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
         self._releases: set[asyncio.Task] = set()  # see release_when_made
@@ -192,6 +196,8 @@ class Router:
                 )
                 continue
             load = self.loads.setdefault(w.name, WorkerLoad(w.name))
+            if w.pool is Pool.DECODE and s.kv_blocks_free > (load.kv_blocks_free or 0):
+                self.room_freed()
             load.kv_blocks_free, load.kv_blocks_total = s.kv_blocks_free, s.kv_blocks_total
             load.running = s.running + s.waiting + s.reserved
             load.draining = s.draining or w.draining
@@ -226,7 +232,37 @@ class Router:
         by_name = {w.name: w for w in candidates}
         return by_name[choice.name] if choice is not None else candidates[0]
 
+    def room_freed(self) -> None:
+        """The decode pool moved: wake the requests waiting for room."""
+        self.decode_progress += 1
+        self._room.set()
+        self._room = asyncio.Event()
+
+    def fits_no_decode_worker(self, num_tokens: int) -> str | None:
+        """Why no decode worker could ever hold this many tokens' KV (each is smaller in all),
+        or None: a request that waits for room must be able to get it."""
+        totals = [
+            load.kv_blocks_total
+            for w in self.directory.members(Pool.DECODE)
+            if (load := self.loads.get(w.name)) is not None and load.kv_blocks_total is not None
+        ]
+        need = -(-num_tokens // self.policy.block_size)
+        if totals and need > max(totals):
+            return (
+                f"its {num_tokens} tokens need {need} KV blocks, and the largest decode worker "
+                f"has {max(totals)} in all"
+            )
+        return None
+
+    async def wait_for_room(self, timeout_s: float) -> None:
+        """Until the decode pool next moves, or timeout_s."""
+        try:
+            await asyncio.wait_for(self._room.wait(), timeout_s)
+        except TimeoutError:
+            pass
+
     def reserved(self, name: str, num_blocks: int) -> None:
+        self.decode_progress += 1
         load = self.loads.get(name)
         if load is not None:
             if load.kv_blocks_free is not None:

@@ -231,9 +231,14 @@ class RequestDriver:
         self.router.record_attempt(self.request_id, attempt, prefill, decode, cause)
 
     async def _reserve(self, spec: RequestSpec) -> WorkerRef:
-        """Decode allocates first: a decode worker with room for the KV."""
+        """Decode allocates first: a decode worker with room for the KV. While the pool has
+        none, the request waits its turn, as long as the pool moves (reservations granted,
+        blocks freed): a burst bigger than the decode pool's KV is served, not refused. It
+        gives up once reserve_timeout_s pass with the pool standing still."""
         cfg = self.router.config
+        router = self.router
         deadline = time.monotonic() + cfg.reserve_timeout_s
+        progress = router.decode_progress
         while True:
             for w in await self._candidates(Pool.DECODE):
                 ref = w.handle.reserve.remote(
@@ -254,13 +259,20 @@ class RequestDriver:
                     self.decode = w.name
                     self.router.reserved(w.name, res.num_blocks)
                     return w
-            if time.monotonic() > deadline:
+            if (never := router.fits_no_decode_worker(spec.num_tokens)) is not None:
+                raise AttemptFailed(
+                    Status.INVALID_ARGUMENT, f"this request cannot run here: {never}"
+                )
+            if router.decode_progress != progress:
+                progress = router.decode_progress
+                deadline = time.monotonic() + cfg.reserve_timeout_s
+            elif time.monotonic() > deadline:
                 raise AttemptFailed(
                     Status.RESOURCE_EXHAUSTED,
-                    f"no decode worker has room for this request ({spec.num_tokens} tokens) "
-                    f"after {cfg.reserve_timeout_s:.0f} s; retry later",
+                    f"no decode worker has room for this request ({spec.num_tokens} tokens), "
+                    f"and none freed any for {cfg.reserve_timeout_s:.0f} s; retry later",
                 )
-            await asyncio.sleep(0.05)
+            await router.wait_for_room(cfg.status_interval_s)
 
     async def _submit_colocated(self, spec: RequestSpec) -> WorkerRef:
         """The whole request to a decode worker: it prefills the prompt itself."""
