@@ -1,7 +1,7 @@
 """A burst bigger than the decode pool's KV: requests wait their turn for room as long as the
 pool moves, and are served, not refused; a request no decode worker could ever hold is
 refused at once, as invalid. One prefill and one decode worker of 64 KV blocks (1,024
-tokens) each, reserve_timeout_s=3: real Ray actors, Redis and gRPC, SmolLM2 in fp32."""
+tokens) each, reserve_timeout_s=5: real Ray actors, Redis and gRPC, SmolLM2 in fp32."""
 
 import pytest
 
@@ -20,7 +20,7 @@ def cluster(tmp_path_factory):
     h = one_by_one(
         str(tmp_path_factory.mktemp("data")),
         engine={"num_kv_blocks": BLOCKS},
-        reserve_timeout_s=3,
+        reserve_timeout_s=5,
     )
     yield h
     h.stop()

@@ -242,3 +242,38 @@ def test_kv_completing_names_the_step_and_each_layer_is_final_when_marked(tiny_l
         assert torch.equal(snapshots[i], engine.export_kv_layer(i, out.kv_blocks))
     engine.release_kv(out.kv_blocks)
     assert free(engine)
+
+
+def test_a_prompt_waits_for_blocks_held_for_transfers_and_fails_only_past_the_whole_cache(
+    tiny_llama_dir,
+):
+    """A prefill worker's blocks may all be held by finished prefills whose KV is being
+    pushed: nothing runs, but they will come back, so the next prompt waits for them (it
+    used to fail as one that can never fit). A prompt bigger than the whole cache is
+    refused."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=8, block_size=4))
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    kept = []
+    for prompt in (PROMPT, PROMPT[::-1]):  # 3 blocks each, held after their first token
+        engine.add_request(prompt, sp, stop_after=1, keep_kv=True)
+        while engine.has_unfinished():
+            kept += [o.kv_blocks for o in engine.step() if o.kv_blocks]
+    assert len(kept) == 2 and engine.stats().kv_blocks_free == 2
+    rid = engine.add_request(PROMPT[1:] + [5], sp)  # 3 blocks: waits for a release
+    for _ in range(3):
+        assert not [o for o in engine.step() if o.request_id == rid and o.finished]
+    engine.release_kv(kept.pop())
+    out = run_to_end(engine, rid)
+    assert out.finish_reason.value == "length" and out.error is None
+    engine.release_kv(kept.pop())
+    with pytest.raises(ValueError, match="whole KV cache"):
+        engine.add_request(list(range(3, 40)), sp)  # 10 blocks of the 8
+    assert free(engine)
+
+
+def run_to_end(engine, rid):
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                return o
+    raise AssertionError(f"{rid} never finished")

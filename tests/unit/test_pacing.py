@@ -159,8 +159,9 @@ def test_a_prompt_held_back_past_the_horizon_advances_by_a_block():
 
 
 def test_a_prompt_held_by_pacing_is_not_failed_as_too_big_when_the_batch_empties():
-    """A lone decode that cannot get a block is failed; the prompt that pacing held back in
-    that step must wait for the next, not be failed as unfittable."""
+    """A lone decode short of a block waits while a KV transfer's reservation holds the rest
+    of the cache (it comes back); the prompt that pacing held back waits too. Neither is
+    failed as unfittable. Once the reservation goes, the decode goes on."""
     s, clock = paced_scheduler()
     teach(s)
     s.add_request(make_request("r", prompt_len=8, max_tokens=500))
@@ -168,12 +169,12 @@ def test_a_prompt_held_by_pacing_is_not_failed_as_too_big_when_the_batch_empties
     assert s.reserve("held", 4 * s.pool.num_free_blocks) is not None  # every other block
     s.pacer.prompt_allowance = lambda decoding, now, max_model_len: 0 if decoding else None
     s.add_request(make_request("w", prompt_len=4, max_tokens=2, first_token=9))
-    out = s.schedule()  # r needs a block: alone, it is failed; w waits
-    assert [req.request_id for req, _ in out.failed] == ["r"]
-    assert "w" in s.requests and s.requests["w"] in s.waiting
+    out = s.schedule()  # r needs a block the reservation holds: r and w wait
+    assert out.failed == [] and not out.decodes and not out.prefills
+    assert s.requests["r"] in s.running and s.requests["w"] in s.waiting
     s.release("held")
     out = step_for(s, clock, 0.02)
-    assert [p.request_id for p in out.prefills] == ["w"]
+    assert [d.request_id for d in out.decodes] == ["r"] and out.failed == []
 
 
 def test_preemption_starts_a_sequences_pace_afresh():

@@ -202,9 +202,11 @@ class Scheduler:
                 continue
             while not self.kv.can_allocate(req, n):
                 if len(self.running) == 1:
-                    # Alone and still out of blocks: the cache can never hold this request.
-                    self._fail_unfittable(req, out)
-                    break
+                    if not self._held_elsewhere():
+                        # Alone, the rest of the cache free, and still out of blocks: the
+                        # cache can never hold this request.
+                        self._fail_unfittable(req, out)
+                    break  # else it waits for the blocks KV transfers hold
                 # The last of the largest keys (running[-1], unless some were admitted
                 # ahead in this loop and appended out of order).
                 victim = max(reversed(self.running), key=self.policy.key)
@@ -237,9 +239,9 @@ class Scheduler:
                 break
             n = self._admit(req, budget)
             if n == 0:
-                if self.running or self._prompt_allowance == 0:
-                    break  # wait for running requests to free blocks, or for pacing
-                # Nothing running will ever free a block: this request cannot fit.
+                if self.running or self._prompt_allowance == 0 or self._held_elsewhere():
+                    break  # wait for running requests or transfers to free blocks, or pacing
+                # An empty cache has no room for it: it can never fit.
                 self._fail_unfittable(req, out)
                 continue
             self.waiting.pop(i)
@@ -256,6 +258,15 @@ class Scheduler:
         max_num_partial_prefills=1), and a step that ends short prompts stays short."""
         partial = 1 < n < req.num_tokens - req.num_computed_tokens
         return partial and bool(out.prefills)
+
+    def _held_elsewhere(self) -> bool:
+        """Whether blocks are held outside the batch: for KV transfers (a prefill's finished
+        prompts being pushed, a decode's reservations for incoming KV). Those come back, so
+        a request short of room waits for them rather than be failed as too big."""
+        batch = {
+            b for r in [*self.running, *self.padding] for b in self.kv.block_table(r.request_id)
+        }
+        return self.pool.num_free_blocks + len(batch) < self.pool.num_blocks
 
     def _fail_unfittable(self, req: Request, out: SchedulerOutput) -> None:
         error = f"request needs more than the {self.pool.num_blocks} KV blocks of this worker"
