@@ -299,32 +299,38 @@ class Router:
         except ray.exceptions.RayError as e:
             raise AttemptFailed(Status.UNAVAILABLE, f"{w.name}: {e}") from None
 
-    def release_when_made(self, w: WorkerRef, ref, request_id: str | list[str]) -> None:
-        """A reservation (or colocated submission) asked for by a request that ended while
-        the call was out: once the call lands, cancel what it holds on that worker (else a
-        reservation would stay until its TTL, a submission generate to its end)."""
+    def release_when_made(
+        self, w: WorkerRef, ref, request_id: str | list[str], wanted=lambda: False
+    ) -> None:
+        """A reservation (or colocated submission) that its request gave up on while the call
+        was out (the request ended, or the call timed out and it went elsewhere): once the
+        call lands, cancel what it holds on that worker (else a reservation would stay until
+        its TTL, a submission generate to its end), unless `wanted()` says the request has
+        since got that worker after all."""
 
         async def release() -> None:
             try:
                 held = bool(await asyncio.wait_for(ref, self.config.rpc_timeout_s))
-            except Exception:  # unknown: cancel anyway (the request ended; nothing newer runs)
+            except Exception:  # unknown: cancel anyway
                 held = True
-            if held:
+            if held and not wanted():
                 await self.cancel_on([w.name], request_id)
 
         task = asyncio.get_running_loop().create_task(release())
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    async def cancel_on(self, names: list[str], request_id: str | list[str]) -> None:
+    async def cancel_on(
+        self, names: list[str], request_id: str | list[str], notify: bool = False
+    ) -> None:
         """Cancel a request (or each of several ids: an n > 1 request's choices) on the
-        named workers."""
+        named workers. `notify`: a client's cancel, told to the router following it."""
         ids = [request_id] if isinstance(request_id, str) else request_id
         calls = []
         for name in names:
             w = self.directory.get(name)
             if w is not None and w.alive:
-                calls += [w.handle.cancel.remote(rid) for rid in ids]
+                calls += [w.handle.cancel.remote(rid, notify) for rid in ids]
         if calls:
             try:
                 await asyncio.wait_for(
@@ -531,7 +537,7 @@ class Router:
         rec = await self.read_record(rid)
         if rec is None or rec.state.terminal:
             return False
-        await self.cancel_on([n for n in (rec.prefill, rec.decode) if n], rid)
+        await self.cancel_on([n for n in (rec.prefill, rec.decode) if n], rid, notify=True)
         ended = replace(rec, state=RecordState.CANCELLED, finish_reason="cancelled")
         tokens = await self.read_tokens(rid)
         self.records.write(f"{rid} cancel", lambda: self.store.end(ended, tokens))

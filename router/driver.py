@@ -250,8 +250,11 @@ class RequestDriver:
                 )
                 try:
                     res = await self.router.call(w, ref)
-                except AttemptFailed:
-                    continue  # that worker is gone or slow: try the next
+                except AttemptFailed:  # that worker is gone or slow: try the next
+                    self.router.release_when_made(  # a late grant
+                        w, ref, self._ids(spec), wanted=lambda w=w: self.decode == w.name
+                    )
+                    continue
                 except asyncio.CancelledError:  # the request ended with the call out
                     self.router.release_when_made(w, ref, self._ids(spec))
                     raise
@@ -280,7 +283,10 @@ class RequestDriver:
             ref = w.handle.submit.remote(spec)
             try:
                 took = await self.router.call(w, ref)
-            except AttemptFailed:
+            except AttemptFailed:  # gone or slow: the next; a late start there is cancelled
+                self.router.release_when_made(
+                    w, ref, spec.request_id, wanted=lambda w=w: self.decode == w.name
+                )
                 continue
             except asyncio.CancelledError:  # the request ended with the call out
                 self.router.release_when_made(w, ref, spec.request_id)

@@ -98,7 +98,7 @@ class DecodeWorker(WorkerBase):
         # Blocks being written by a transfer must not be freed under it: a cancel that
         # arrives mid-transfer is applied once the transfer ends.
         self._receiving: set[str] = set()
-        self._cancel_after_receive: set[str] = set()
+        self._cancel_after_receive: dict[str, bool] = {}  # request id: notify
         self._fail_after_receive: dict[str, tuple[int, str]] = {}  # the sender gave up meanwhile
         self._pair_lock = threading.Lock()
         self._held: dict[str, _Held] = {}  # the loop thread's alone
@@ -208,8 +208,8 @@ class DecodeWorker(WorkerBase):
             if failed is not None:  # the sender gave up meanwhile: its report stands
                 self.on_loop(self._fail, rid, *failed)
                 return PushResult(rid, False, error=failed[1])
-            if cancelled:
-                self.on_loop(self._drop, rid)
+            if cancelled is not None:
+                self.on_loop(self._cancel, rid, cancelled)
                 return PushResult(rid, True, seconds)
             self.on_loop(self._admit, spec, first)
             return PushResult(rid, True, seconds)
@@ -265,13 +265,13 @@ class DecodeWorker(WorkerBase):
         held.reserved_until = float("inf")  # the KV is arriving: no longer expires
         return self.engine.reserved_blocks(rid)
 
-    def _done_receiving(self, rid: str) -> tuple[bool, tuple[int, str] | None]:
-        """The transfer for rid is over: whether it was cancelled meanwhile, and the failure
+    def _done_receiving(self, rid: str) -> tuple[bool | None, tuple[int, str] | None]:
+        """The transfer for rid is over: whether it was cancelled meanwhile (None: no; else
+        the cancel's `notify`), and the failure
         its sender reported meanwhile (attempt, message), if any."""
         with self._pair_lock:
             self._receiving.discard(rid)
-            cancelled = rid in self._cancel_after_receive
-            self._cancel_after_receive.discard(rid)
+            cancelled = self._cancel_after_receive.pop(rid, None)
             return cancelled, self._fail_after_receive.pop(rid, None)
 
     # -- on the loop thread -----------------------------------------------------------------
@@ -432,27 +432,30 @@ class DecodeWorker(WorkerBase):
             self.relay.begin(cid, spec.attempt, spec.router_id, list(spec.output_ids))
         return True
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, notify: bool = False) -> bool:
+        """Drop a request here. `notify`: a client's cancel, which may come through another
+        router than the one following the request: that one is told with a last event, and
+        ends its stream now rather than wait for tokens and replay a cancelled request. (A
+        router cleaning up after an attempt, or after a reservation it gave up on, tells no
+        one: the request may be running elsewhere.)"""
         with self._pair_lock:
             if request_id in self._receiving:
-                self._cancel_after_receive.add(request_id)
+                self._cancel_after_receive[request_id] = notify
                 return True
-        return self.on_loop(self._cancel, request_id)
+        return self.on_loop(self._cancel, request_id, notify)
 
-    def _cancel(self, rid: str) -> bool:
+    def _cancel(self, rid: str, notify: bool = False) -> bool:
         held = self._held.get(rid)
         if held is None and choice_index(rid) > 0:  # a choice whose request's KV is on its way
             parent = self._held.get(rid.rpartition("#")[0])
             if parent is not None and parent.reserved_until is not None:
                 parent.dropped.add(choice_index(rid))
                 return True
-        if held is None:
+        if held is not None and notify:
+            self._end_here(rid, held.attempt, Status.CANCELLED, FinishReason.CANCELLED, "cancelled")
+        else:
             self._drop(rid)
-            return False
-        # The cancel may come from another router than the one following the request: that
-        # one must end its stream now, not wait for tokens and then replay a cancelled request.
-        self._end_here(rid, held.attempt, Status.CANCELLED, FinishReason.CANCELLED, "cancelled")
-        return True
+        return held is not None
 
     def phase(self, request_id: str, attempt: int) -> str:
         """Where this attempt of the request stands here: "running", "reserved" (its KV has

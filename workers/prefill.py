@@ -134,7 +134,9 @@ class PrefillWorker(WorkerBase):
             keep_kv=True,
         )
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, notify: bool = False) -> bool:
+        """Drop a request here (`notify` is the decode worker's: no stream follows a prefill
+        worker)."""
         found = self.on_loop(self.engine.abort, request_id)
         with self._lock:
             entry = self._jobs.get(request_id)
