@@ -11,7 +11,9 @@ fields are the gRPC ones with OpenAI's and vLLM's names (`max_tokens`, `temperat
 `top_k`, `min_p`, `seed`, `stop`, `stop_token_ids`, `ignore_eos`, `presence_penalty`,
 `frequency_penalty`, `repetition_penalty`, `logit_bias`, `min_tokens`, `logprobs`,
 `top_logprobs`), plus Tandem's `deadline_s`: seconds after which the request is cancelled and
-answered 504.
+answered 504. Chat content is a string or a list of text parts. Fields that would change the
+answer and are not served (tools, a response_format other than text, guided decoding, echo,
+suffix, best_of > 1, prompt_logprobs) are refused with a 400 naming the field.
 
 The handlers build the same GenerateRequest the gRPC edge receives, check it with the same
 `validate`, and follow the router's own stream (`Router.generate`): no loopback call. A client
@@ -158,6 +160,7 @@ class OpenAIFront:
             raise HttpError(
                 404, f"the model {model!r} does not exist; this serves {self.model_name!r}", "model"
             )
+        _refuse_unserved(body)
         ids = self._prompt_ids(body, chat)
         try:
             msg = pb.GenerateRequest(prompt_ids=ids, sampling=self._sampling(body, chat, len(ids)))
@@ -443,6 +446,33 @@ class _Choice:
             "logprobs": logprobs,
             "finish_reason": self.finish_reason,
         }
+
+
+# Request fields that change what comes back, which Tandem does not serve: a request that
+# sets them is refused naming the field, never answered as if it had not (a tool call or a
+# JSON object the client waits for would silently not come). Each maps a field to the values
+# that mean "off", which pass.
+_UNSERVED = {
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "prompt_logprobs": (None, 0),
+}
+
+
+def _refuse_unserved(body: dict) -> None:
+    for name, off in _UNSERVED.items():
+        if name in body and body[name] not in off:
+            raise HttpError(400, f"{name}: not served by Tandem (leave it out)", name)
 
 
 def _content(content) -> str:

@@ -157,3 +157,31 @@ def test_chat_content_parts_are_their_text_and_other_parts_are_refused(tokenizer
             )
 
     asyncio.run(serve(tokenizer, Status.OK, router=router)(body))
+
+
+def test_fields_that_change_the_answer_and_are_not_served_are_refused_by_name(tokenizer):
+    """A client that asks for tools, a JSON response or echo waits for something Tandem does
+    not make: a 400 naming the field, rather than an answer without it. Their "off" values
+    pass, as clients often send them."""
+
+    async def body(client):
+        tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+        chat = dict(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        for extra, field in [
+            (dict(tools=[tool]), "tools"),
+            (dict(response_format={"type": "json_object"}), "response_format"),
+            (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json"),
+        ]:
+            with pytest.raises(openai.BadRequestError, match=field):
+                await client.chat.completions.create(**chat, **extra)
+        for extra, field in [(dict(echo=True), "echo"), (dict(best_of=3), "best_of")]:
+            with pytest.raises(openai.BadRequestError, match=field):
+                await client.completions.create(model="m", prompt="hi", **extra)
+        done = await client.chat.completions.create(
+            **chat, tool_choice="none", response_format={"type": "text"}
+        )
+        assert done.choices[0].finish_reason == "length"
+        done = await client.completions.create(model="m", prompt="hi", echo=False, best_of=1)
+        assert done.choices[0].finish_reason == "length"
+
+    asyncio.run(serve(tokenizer, Status.OK, tokens=2)(body))
