@@ -207,7 +207,7 @@ class PoolManager:
             kwargs["token_log"] = self.token_log
         cls = PrefillWorker if pool is Pool.PREFILL else DecodeWorker
         return (
-            ray.remote(concurrency_groups={CONTROL: 8})(actor_class(cls))
+            ray.remote(concurrency_groups={STATUS: 2, LOOP: 8})(actor_class(cls))
             .options(
                 name=name,
                 namespace=self.namespace,
@@ -493,19 +493,21 @@ def pool_engine(engine: EngineConfig, threads: int | None, cpus: float) -> Engin
     return replace(engine, num_threads=threads or engine.num_threads or max(1, int(cpus)))
 
 
-CONTROL = "control"
+STATUS, LOOP = "status", "loop"  # the concurrency groups of WorkerBase.STATUS_CALLS, LOOP_CALLS
 
 
 def actor_class(cls: type) -> type:
-    """The worker class as its actor runs it: its CONTROL_CALLS in a concurrency group of their
-    own, with threads that its long calls (up to max_concurrency of them) cannot all hold."""
+    """The worker class as its actor runs it: its status calls, and its calls that wait for
+    the engine loop, each in a concurrency group of their own, on threads that its long calls
+    (up to max_concurrency of them) cannot hold."""
 
-    def control(fn):
+    def grouped(fn, group: str):
         @functools.wraps(fn)
         def call(self, *args, **kwargs):
             return fn(self, *args, **kwargs)
 
-        return ray.method(concurrency_group=CONTROL)(call)
+        return ray.method(concurrency_group=group)(call)
 
-    methods = {name: control(getattr(cls, name)) for name in cls.CONTROL_CALLS}
+    methods = {name: grouped(getattr(cls, name), STATUS) for name in cls.STATUS_CALLS}
+    methods |= {name: grouped(getattr(cls, name), LOOP) for name in cls.LOOP_CALLS}
     return type(cls.__name__, (cls,), {**methods, "__qualname__": cls.__qualname__})

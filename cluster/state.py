@@ -170,11 +170,21 @@ _REFUSING_CODES = ("OOM", "MISCONF", "READONLY", "MASTERDOWN", "NOREPLICAS", "TR
 def _away(e: Exception) -> ConnectionError | None:
     """The builtin ConnectionError for a Redis error that means the store is away or refuses
     writes for now; None for any other error (a bug: it propagates as it is)."""
+    # A pipeline's error reads "Command # 1 (...) of pipeline caused error: MISCONF ...".
+    said = str(e).rpartition("caused error: ")[2]
     if isinstance(e, _UNREACHABLE + _REFUSING) or (
-        isinstance(e, redis.ResponseError) and str(e).startswith(_REFUSING_CODES)
+        isinstance(e, redis.ResponseError) and said.startswith(_REFUSING_CODES)
     ):
         return ConnectionError(f"{type(e).__name__}: {e}")
     return None
+
+
+def _raise_as_away(e: Exception) -> None:
+    """Raise `e` as _away has it: the builtin ConnectionError, or else `e` itself."""
+    away = _away(e)
+    if away is None:
+        raise e
+    raise away from e
 
 
 def _reachable(fn):
@@ -186,9 +196,7 @@ def _reachable(fn):
         try:
             return await fn(*args, **kwargs)
         except (redis.RedisError, OSError) as e:
-            if (away := _away(e)) is None:
-                raise
-            raise away from e
+            _raise_as_away(e)
 
     return wrapper
 
@@ -444,9 +452,7 @@ class RedisTokenLog:
                     self._script(keys=keys, args=args, client=p)
                 results = p.execute()
         except (redis.RedisError, OSError) as e:
-            if (away := _away(e)) is None:
-                raise
-            raise away from e
+            _raise_as_away(e)
         return [
             LogAck(w.request_id, LogResult(res), int(n)) for w, (res, n) in zip(writes, results)
         ]

@@ -28,8 +28,8 @@ class RouterConfig:
     reserve_timeout_s: float = field(
         default=60.0,
         metadata=_h(
-            "how long a request waits for room on a decode worker while none frees any (as "
-            "long as the decode pool moves, a request waits its turn)"
+            "how long a request waits for room on a decode worker while none frees any (while "
+            "they free blocks it waits on, up to prefill_timeout_s)"
         ),
     )
     prefill_timeout_s: float = field(default=300.0, metadata=_h("longest wait for a prefill"))

@@ -76,8 +76,8 @@ class Router:
         self.metrics = RouterMetrics(self.id)
         self.slots = asyncio.Semaphore(config.max_in_flight)
         self.queue_depth = 0
-        # Decode room: counts each sign that the decode pool moves (a reservation granted here,
-        # a worker's free blocks risen), and wakes requests waiting for room (see _reserve).
+        # Decode room: counts the times a decode worker's free blocks were seen to rise, and
+        # wakes the requests waiting for room (see RequestDriver._reserve).
         self.decode_progress = 0
         self._room = asyncio.Event()
         self._pollers: dict[str, asyncio.Task] = {}
@@ -199,6 +199,7 @@ class Router:
             if w.pool is Pool.DECODE and s.kv_blocks_free > (load.kv_blocks_free or 0):
                 self.room_freed()
             load.kv_blocks_free, load.kv_blocks_total = s.kv_blocks_free, s.kv_blocks_total
+            load.kv_blocks_reservable = s.kv_blocks_reservable
             load.running = s.running + s.waiting + s.reserved
             load.draining = s.draining or w.draining
             load.queued_tokens = s.queued_prefill_tokens
@@ -239,18 +240,18 @@ class Router:
         self._room = asyncio.Event()
 
     def fits_no_decode_worker(self, num_tokens: int) -> str | None:
-        """Why no decode worker could ever hold this many tokens' KV (each is smaller in all),
-        or None: a request that waits for room must be able to get it."""
-        totals = [
-            load.kv_blocks_total
+        """Why no decode worker could ever hold this many tokens' KV (each can reserve fewer
+        blocks in all), or None: a request that waits for room must be able to get it."""
+        most = [
+            load.kv_blocks_reservable
             for w in self.directory.members(Pool.DECODE)
-            if (load := self.loads.get(w.name)) is not None and load.kv_blocks_total is not None
+            if (load := self.loads.get(w.name)) is not None and load.kv_blocks_reservable
         ]
         need = -(-num_tokens // self.policy.block_size)
-        if totals and need > max(totals):
+        if most and need > max(most):
             return (
                 f"its {num_tokens} tokens need {need} KV blocks, and the largest decode worker "
-                f"has {max(totals)} in all"
+                f"can hold {max(most)} for one request"
             )
         return None
 
@@ -262,7 +263,6 @@ class Router:
             pass
 
     def reserved(self, name: str, num_blocks: int) -> None:
-        self.decode_progress += 1
         load = self.loads.get(name)
         if load is not None:
             if load.kv_blocks_free is not None:
@@ -300,13 +300,19 @@ class Router:
             raise AttemptFailed(Status.UNAVAILABLE, f"{w.name}: {e}") from None
 
     def release_when_made(
-        self, w: WorkerRef, ref, request_id: str | list[str], wanted=lambda: False
+        self,
+        w: WorkerRef,
+        ref,
+        request_id: str | list[str],
+        wanted=lambda: False,
+        attempt: int | None = None,
     ) -> None:
         """A reservation (or colocated submission) that its request gave up on while the call
         was out (the request ended, or the call timed out and it went elsewhere): once the
         call lands, cancel what it holds on that worker (else a reservation would stay until
         its TTL, a submission generate to its end), unless `wanted()` says the request has
-        since got that worker after all."""
+        since got that worker after all; with `attempt`, only that attempt (or an older one)
+        is cancelled there, never a newer one sent meanwhile."""
 
         async def release() -> None:
             try:
@@ -314,14 +320,18 @@ class Router:
             except Exception:  # unknown: cancel anyway
                 held = True
             if held and not wanted():
-                await self.cancel_on([w.name], request_id)
+                await self.cancel_on([w.name], request_id, attempt=attempt)
 
         task = asyncio.get_running_loop().create_task(release())
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
     async def cancel_on(
-        self, names: list[str], request_id: str | list[str], notify: bool = False
+        self,
+        names: list[str],
+        request_id: str | list[str],
+        notify: bool = False,
+        attempt: int | None = None,
     ) -> None:
         """Cancel a request (or each of several ids: an n > 1 request's choices) on the
         named workers. `notify`: a client's cancel, told to the router following it."""
@@ -330,7 +340,7 @@ class Router:
         for name in names:
             w = self.directory.get(name)
             if w is not None and w.alive:
-                calls += [w.handle.cancel.remote(rid, notify) for rid in ids]
+                calls += [w.handle.cancel.remote(rid, notify, attempt) for rid in ids]
         if calls:
             try:
                 await asyncio.wait_for(

@@ -232,12 +232,14 @@ class RequestDriver:
 
     async def _reserve(self, spec: RequestSpec) -> WorkerRef:
         """Decode allocates first: a decode worker with room for the KV. While the pool has
-        none, the request waits its turn, as long as the pool moves (reservations granted,
-        blocks freed): a burst bigger than the decode pool's KV is served, not refused. It
-        gives up once reserve_timeout_s pass with the pool standing still."""
+        none, the request waits for room as long as the pool frees blocks, so that a burst
+        bigger than the decode pool's KV is served rather than refused; it gives up once
+        reserve_timeout_s pass with no block freed, and in any case after prefill_timeout_s
+        (G6: a request the pool never gets to is not kept forever)."""
         cfg = self.router.config
         router = self.router
-        deadline = time.monotonic() + cfg.reserve_timeout_s
+        now = time.monotonic()
+        deadline, limit = now + cfg.reserve_timeout_s, now + cfg.prefill_timeout_s
         progress = router.decode_progress
         while True:
             for w in await self._candidates(Pool.DECODE):
@@ -252,7 +254,11 @@ class RequestDriver:
                     res = await self.router.call(w, ref)
                 except AttemptFailed:  # that worker is gone or slow: try the next
                     self.router.release_when_made(  # a late grant
-                        w, ref, self._ids(spec), wanted=lambda w=w: self.decode == w.name
+                        w,
+                        ref,
+                        self._ids(spec),
+                        wanted=lambda w=w: self.decode == w.name,
+                        attempt=spec.attempt,
                     )
                     continue
                 except asyncio.CancelledError:  # the request ended with the call out
@@ -266,14 +272,20 @@ class RequestDriver:
                 raise AttemptFailed(
                     Status.INVALID_ARGUMENT, f"this request cannot run here: {never}"
                 )
+            now = time.monotonic()
             if router.decode_progress != progress:
                 progress = router.decode_progress
-                deadline = time.monotonic() + cfg.reserve_timeout_s
-            elif time.monotonic() > deadline:
+                deadline = min(now + cfg.reserve_timeout_s, limit)
+            if now > deadline:
+                why = (
+                    f"for {cfg.prefill_timeout_s:.0f} s"
+                    if now > limit
+                    else f"and none freed any for {cfg.reserve_timeout_s:.0f} s"
+                )
                 raise AttemptFailed(
                     Status.RESOURCE_EXHAUSTED,
-                    f"no decode worker has room for this request ({spec.num_tokens} tokens), "
-                    f"and none freed any for {cfg.reserve_timeout_s:.0f} s; retry later",
+                    f"no decode worker had room for this request ({spec.num_tokens} tokens) "
+                    f"{why}; retry later",
                 )
             await router.wait_for_room(cfg.status_interval_s)
 
@@ -285,7 +297,11 @@ class RequestDriver:
                 took = await self.router.call(w, ref)
             except AttemptFailed:  # gone or slow: the next; a late start there is cancelled
                 self.router.release_when_made(
-                    w, ref, spec.request_id, wanted=lambda w=w: self.decode == w.name
+                    w,
+                    ref,
+                    spec.request_id,
+                    wanted=lambda w=w: self.decode == w.name,
+                    attempt=spec.attempt,
                 )
                 continue
             except asyncio.CancelledError:  # the request ended with the call out

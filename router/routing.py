@@ -21,6 +21,7 @@ class WorkerLoad:
     name: str
     kv_blocks_free: int | None = None  # None: not reported yet (the worker just joined)
     kv_blocks_total: int | None = None
+    kv_blocks_reservable: int | None = None  # the most one request can ever hold
     running: int = 0
     queued_tokens: int = 0  # prefill: prompt tokens sent and not yet prefilled
     alive: bool = True

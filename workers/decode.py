@@ -81,7 +81,6 @@ def status_of(o: RequestOutput) -> Status:
 
 class DecodeWorker(WorkerBase):
     pool = Pool.DECODE
-    CONTROL_CALLS = (*WorkerBase.CONTROL_CALLS, "info", "cancel", "phase", "forget_prefill")
 
     def __init__(
         self,
@@ -98,7 +97,8 @@ class DecodeWorker(WorkerBase):
         # Blocks being written by a transfer must not be freed under it: a cancel that
         # arrives mid-transfer is applied once the transfer ends.
         self._receiving: set[str] = set()
-        self._cancel_after_receive: dict[str, bool] = {}  # request id: notify
+        # request id: (notify, attempt) of a cancel that came while its KV was arriving
+        self._cancel_after_receive: dict[str, tuple[bool, int | None]] = {}
         self._fail_after_receive: dict[str, tuple[int, str]] = {}  # the sender gave up meanwhile
         self._pair_lock = threading.Lock()
         self._held: dict[str, _Held] = {}  # the loop thread's alone
@@ -209,7 +209,7 @@ class DecodeWorker(WorkerBase):
                 self.on_loop(self._fail, rid, *failed)
                 return PushResult(rid, False, error=failed[1])
             if cancelled is not None:
-                self.on_loop(self._cancel, rid, cancelled)
+                self.on_loop(self._cancel, rid, *cancelled)
                 return PushResult(rid, True, seconds)
             self.on_loop(self._admit, spec, first)
             return PushResult(rid, True, seconds)
@@ -265,9 +265,11 @@ class DecodeWorker(WorkerBase):
         held.reserved_until = float("inf")  # the KV is arriving: no longer expires
         return self.engine.reserved_blocks(rid)
 
-    def _done_receiving(self, rid: str) -> tuple[bool | None, tuple[int, str] | None]:
-        """The transfer for rid is over: whether it was cancelled meanwhile (None: no; else
-        the cancel's `notify`), and the failure
+    def _done_receiving(
+        self, rid: str
+    ) -> tuple[tuple[bool, int | None] | None, tuple[int, str] | None]:
+        """The transfer for rid is over: the cancel that came meanwhile, if any (its `notify`
+        and `attempt`), and the failure
         its sender reported meanwhile (attempt, message), if any."""
         with self._pair_lock:
             self._receiving.discard(rid)
@@ -432,20 +434,24 @@ class DecodeWorker(WorkerBase):
             self.relay.begin(cid, spec.attempt, spec.router_id, list(spec.output_ids))
         return True
 
-    def cancel(self, request_id: str, notify: bool = False) -> bool:
+    def cancel(self, request_id: str, notify: bool = False, attempt: int | None = None) -> bool:
         """Drop a request here. `notify`: a client's cancel, which may come through another
         router than the one following the request: that one is told with a last event, and
         ends its stream now rather than wait for tokens and replay a cancelled request. (A
         router cleaning up after an attempt, or after a reservation it gave up on, tells no
-        one: the request may be running elsewhere.)"""
+        one: the request may be running elsewhere.) `attempt`: drop it only if what is held
+        here is of that attempt or older, not a newer one that came meanwhile."""
         with self._pair_lock:
             if request_id in self._receiving:
-                self._cancel_after_receive[request_id] = notify
+                before = self._cancel_after_receive.get(request_id, (False, attempt))
+                self._cancel_after_receive[request_id] = (notify or before[0], attempt)
                 return True
-        return self.on_loop(self._cancel, request_id, notify)
+        return self.on_loop(self._cancel, request_id, notify, attempt)
 
-    def _cancel(self, rid: str, notify: bool = False) -> bool:
+    def _cancel(self, rid: str, notify: bool = False, attempt: int | None = None) -> bool:
         held = self._held.get(rid)
+        if held is not None and attempt is not None and held.attempt > attempt:
+            return False  # a newer attempt of the request, not the one this cancel means
         if held is None and choice_index(rid) > 0:  # a choice whose request's KV is on its way
             parent = self._held.get(rid.rpartition("#")[0])
             if parent is not None and parent.reserved_until is not None:

@@ -265,6 +265,7 @@ class WorkerStatus:
     alive: bool = True
     kv_blocks_total: int = 0
     kv_blocks_free: int = 0
+    kv_blocks_reservable: int = 0  # the most one request can ever hold (total less the watermark)
     running: int = 0
     waiting: int = 0
     reserved: int = 0  # decode: reservations whose KV has not landed yet

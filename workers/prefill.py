@@ -56,7 +56,6 @@ class _Job:
 
 class PrefillWorker(WorkerBase):
     pool = Pool.PREFILL
-    CONTROL_CALLS = (*WorkerBase.CONTROL_CALLS, "info", "cancel", "phase", "forget_decode")
 
     def __init__(
         self, name, engine_config, transfer_host=None, transfer_timeout_s=10.0, stream_kv=True
@@ -134,9 +133,9 @@ class PrefillWorker(WorkerBase):
             keep_kv=True,
         )
 
-    def cancel(self, request_id: str, notify: bool = False) -> bool:
-        """Drop a request here (`notify` is the decode worker's: no stream follows a prefill
-        worker)."""
+    def cancel(self, request_id: str, notify: bool = False, attempt: int | None = None) -> bool:
+        """Drop a request here (`notify` and `attempt` are the decode worker's: no stream
+        follows a prefill worker, and it holds one attempt of a request at a time)."""
         found = self.on_loop(self.engine.abort, request_id)
         with self._lock:
             entry = self._jobs.get(request_id)

@@ -78,10 +78,12 @@ class WorkerBase:
             raise
 
     # Calls that must answer whatever the worker's long calls (a prefill waiting for its first
-    # token, a KV push, a relay poll) hold: the pool manager runs them on threads of their own,
-    # so that 64 prefills in flight cannot hold up a status call and get a live worker called
-    # dead. Each answers from a snapshot or at the next step boundary.
-    CONTROL_CALLS: tuple[str, ...] = ("status", "ping", "set_draining")
+    # token, a KV push, a relay poll) hold: the pool manager runs each kind on threads of its
+    # own, so that 64 prefills in flight cannot hold up a status call and get a live worker
+    # called dead. STATUS_CALLS answer from a snapshot at once; LOOP_CALLS wait for the next
+    # step boundary, and so never stand in front of a status call either.
+    STATUS_CALLS: tuple[str, ...] = ("status", "ping", "set_draining", "info")
+    LOOP_CALLS: tuple[str, ...] = ("cancel", "phase")
 
     def on_loop(self, fn, *args):
         """Run fn(*args) on the engine loop between two steps and wait for it. A step may take
@@ -108,6 +110,7 @@ class WorkerBase:
             node=self.node,
             kv_blocks_total=s.kv_blocks_total,
             kv_blocks_free=s.kv_blocks_free,
+            kv_blocks_reservable=s.kv_blocks_total - self.engine.scheduler.kv.watermark_blocks,
             running=s.running,
             waiting=s.waiting,
             reserved=s.reserved,

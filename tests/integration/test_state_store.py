@@ -288,3 +288,19 @@ def test_a_redis_that_refuses_writes_is_away_until_it_takes_them_again(tmp_path)
     finally:
         admin.close()
         r.stop()
+
+
+def test_redis_errors_that_mean_away_are_told_from_bugs():
+    """Refusals of writes count as a Redis away, also as a pipeline reports them (the code
+    after "caused error: "); any other error (a bug) stays what it is."""
+    from cluster.state import _away
+
+    away = [
+        redis.exceptions.OutOfMemoryError("command not allowed when used memory > 'maxmemory'"),
+        redis.exceptions.ReadOnlyError("You can't write against a read only replica."),
+        redis.ResponseError("MISCONF Redis is configured to save RDB snapshots"),
+        redis.ResponseError("Command # 1 (EVALSHA 25) of pipeline caused error: MISCONF x"),
+        redis.ConnectionError("Connection refused"),
+    ]
+    assert all(isinstance(_away(e), ConnectionError) for e in away)
+    assert _away(redis.ResponseError("WRONGTYPE Operation against a key")) is None

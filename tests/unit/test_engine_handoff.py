@@ -77,14 +77,16 @@ def bf16_kernels_take(head_dim: int) -> bool:
 @pytest.mark.skipif(
     not bf16_kernels_take(64), reason="bit-for-bit rows need the bf16 CPU kernels (AVX512-BF16)"
 )
-def test_a_replay_recomputes_its_tokens_bit_for_bit(tiny_llama_hd64_dir):
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-cache", "no-cache"])
+def test_a_replay_recomputes_its_tokens_bit_for_bit(tiny_llama_hd64_dir, caching):
     """The tokens a replay computes again attend as the decode steps that first computed them
     (not as prompt rows), so every logprob after them equals the first run's exactly. In
     bf16 a prefill's attention and a decode's round differently, and a replayed greedy request
-    used to drift from the first run at the next near-tie. The replays run together, at
-    another chunking and off the prefix cache, so neither the batch nor the chunking may
-    count; nor may a prompt cached whole. (In fp32 torch's linears are not batch-invariant:
-    there the tokens are compared.)"""
+    used to drift from the first run at the next near-tie. The replays run together, in
+    chunks of 16 (without the prefix cache, a replay's prompt and tokens span several), so
+    neither the batch nor the chunking may count; nor may a prompt cached whole. (In fp32
+    torch's linears are not batch-invariant: test_a_replay_from_emitted_tokens_continues_...
+    compares tokens there.)"""
     engine = LLMEngine(
         EngineConfig(
             model=str(tiny_llama_hd64_dir),
@@ -92,6 +94,7 @@ def test_a_replay_recomputes_its_tokens_bit_for_bit(tiny_llama_hd64_dir):
             num_kv_blocks=256,
             block_size=4,
             prefill_chunk_size=16,
+            enable_prefix_caching=caching,
         )
     )
     sps = [
@@ -100,7 +103,8 @@ def test_a_replay_recomputes_its_tokens_bit_for_bit(tiny_llama_hd64_dir):
     ]
     prompts = [PROMPT + [11, 12, 13], PROMPT[::-1] * 3]  # 13: a 1-token chunk once cached
     whole = [run_logged(engine, [(p, sp, ())])[0] for p, sp in zip(prompts, sps)]
-    # Again, the prompts cached but their last token: that token is still a prompt row.
+    # Again, together (and with the cache, the prompts cached but their last token, which
+    # is still a prompt row).
     assert run_logged(engine, list(zip(prompts, sps, [(), ()]))) == whole
     for k in (1, 13, 39):
         replays = run_logged(engine, [(p, sp, w[0][:k]) for p, sp, w in zip(prompts, sps, whole)])

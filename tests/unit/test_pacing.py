@@ -158,7 +158,7 @@ def test_a_prompt_held_back_past_the_horizon_advances_by_a_block():
     assert set(seen[HORIZON_TOKENS:]) == {0, 4}  # ... then a block, and held again
 
 
-def test_a_prompt_held_by_pacing_is_not_failed_as_too_big_when_the_batch_empties():
+def test_a_lone_decode_and_a_paced_prompt_wait_for_blocks_a_reservation_holds():
     """A lone decode short of a block waits while a KV transfer's reservation holds the rest
     of the cache (it comes back); the prompt that pacing held back waits too. Neither is
     failed as unfittable. Once the reservation goes, the decode goes on."""
@@ -175,6 +175,7 @@ def test_a_prompt_held_by_pacing_is_not_failed_as_too_big_when_the_batch_empties
     s.release("held")
     out = step_for(s, clock, 0.02)
     assert [d.request_id for d in out.decodes] == ["r"] and out.failed == []
+    assert s.requests["w"] in s.waiting  # still paced while r decodes, never failed
 
 
 def test_preemption_starts_a_sequences_pace_afresh():

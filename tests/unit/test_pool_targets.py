@@ -89,20 +89,22 @@ def test_healing_counts_what_is_missing_after_a_scale_that_held_the_lock():
     assert len(started) == 2 and len(pm.members(P)) == 3  # the healer started none more
 
 
-def test_workers_control_calls_exist_and_run_in_their_own_concurrency_group():
-    """A worker's control calls (status above all) run on threads its long calls cannot all
-    hold: the names must be the worker's methods, and its actor class must mark each."""
-    from cluster.pools import CONTROL, actor_class
+def test_workers_control_calls_exist_and_run_in_their_own_concurrency_groups():
+    """A worker's status calls, and its calls that wait for the engine loop, run on threads
+    its long calls cannot all hold, each kind on its own (a cancel waiting for a step never
+    stands in front of a status call): the names must be the worker's methods, and its actor
+    class must mark each."""
+    from cluster.pools import LOOP, STATUS, actor_class
     from workers.decode import DecodeWorker
     from workers.prefill import PrefillWorker
 
     for cls in (PrefillWorker, DecodeWorker):
-        assert {"status", "cancel", "phase"} <= set(cls.CONTROL_CALLS)
+        assert "status" in cls.STATUS_CALLS and {"cancel", "phase"} <= set(cls.LOOP_CALLS)
         actor = actor_class(cls)
         assert actor.__name__ == cls.__name__ and issubclass(actor, cls)
-        for name in cls.CONTROL_CALLS:
-            assert callable(getattr(cls, name)), name
-            assert getattr(actor, name).__ray_concurrency_group__ == CONTROL, name
-        assert not hasattr(
-            actor.prefill if cls is PrefillWorker else actor.poll, "__ray_concurrency_group__"
-        )
+        for names, group in ((cls.STATUS_CALLS, STATUS), (cls.LOOP_CALLS, LOOP)):
+            for name in names:
+                assert callable(getattr(cls, name)), name
+                assert getattr(actor, name).__ray_concurrency_group__ == group, name
+        long_call = actor.prefill if cls is PrefillWorker else actor.poll
+        assert not hasattr(long_call, "__ray_concurrency_group__")

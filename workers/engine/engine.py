@@ -418,7 +418,7 @@ class LLMEngine:
         if self.on_kv_completing is None:
             return None
         bs, requests = self.config.block_size, self.scheduler.requests
-        done = [  # a last chunk of one token (a prefix-cache hit) is scheduled as a decode
+        done = [  # decodes too: a replay's last chunk of one token (a prefix-cache hit)
             (s.request_id, s.block_ids[: -(-s.context_len // bs)], s.context_len)
             for s in out.scheduled
             if s.sample and requests[s.request_id].keep_kv

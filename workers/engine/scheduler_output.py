@@ -37,7 +37,9 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     decodes: list[ScheduledRequest] = field(default_factory=list)  # one token each
-    prefills: list[ScheduledRequest] = field(default_factory=list)  # prompt chunks
+    # Chunks of several tokens, or of one at a prompt position: prompts, and a replay's or a
+    # preempted sequence's tokens computed again.
+    prefills: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)  # lost their blocks this step
     # (request, error): ended without being scheduled.
     failed: list[tuple[Request, str]] = field(default_factory=list)

@@ -9,9 +9,10 @@ attends straight off the paged cache, first chunk or later. Otherwise a chunk wi
 prefix attends to its own fresh K/V, causally, without touching the cache, and a later chunk
 reads its prefix from the cache; on the CPU it attends to the prefix and to itself in two
 mask-free passes, merged exactly by their log-sum-exps.
-A chunk's rows at the sequence's output positions (a replay's tokens, or a preempted
-sequence's, computed again) attend as single-token decodes, as they were first computed: with
-the kernels, whose rows do not depend on the batch or the chunking, each comes out the same.
+With the kernels, a chunk's rows at the sequence's output positions (a replay's tokens, or a
+preempted sequence's, computed again) attend as single-token decodes, as they were first
+computed: the kernels' rows do not depend on the batch or the chunking, so each comes out
+the same bits.
 """
 
 from __future__ import annotations
@@ -50,10 +51,15 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, tables, lens, group, scale, meta)
+        # Output rows attend as decodes only where that makes them exact: with the kernel,
+        # which reads the cache in place. SDPA's fallback would gather a row's whole context
+        # for each of them.
+        exact = self.kernel is not None and paged_blocks_contiguous(k_cache, v_cache)
         for p in meta.prefills:
-            start, mid, end = p.q_start, p.q_start + p.q_len - p.out_rows, p.q_start + p.q_len
+            tail = p.out_rows if exact else 0
+            start, mid, end = p.q_start, p.q_start + p.q_len - tail, p.q_start + p.q_len
             if mid > start:
-                part = p.prompt_part() if p.out_rows else p
+                part = p.prompt_part() if tail else p
                 out[start:mid] = self._prefill(
                     q[start:mid], k[start:mid], v[start:mid], k_cache, v_cache, part, scale
                 )
