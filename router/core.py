@@ -262,12 +262,18 @@ class Router:
         except TimeoutError:
             pass
 
-    def reserved(self, name: str, num_blocks: int) -> None:
+    def reserved(self, name: str, num_blocks: int, sign: int = 1) -> None:
+        """Count a request, and its blocks, against a worker's load until its next status
+        says what it holds."""
         load = self.loads.get(name)
         if load is not None:
             if load.kv_blocks_free is not None:
-                load.kv_blocks_free -= num_blocks
-            load.running += 1
+                load.kv_blocks_free -= sign * num_blocks
+            load.running = max(0, load.running + sign)
+
+    def unreserved(self, name: str, num_blocks: int) -> None:
+        """Take back `reserved`: the worker did not take the request."""
+        self.reserved(name, num_blocks, sign=-1)
 
     def queue_prefill(self, name: str, tokens: int) -> None:
         load = self.loads.get(name)

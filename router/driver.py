@@ -241,8 +241,12 @@ class RequestDriver:
         now = time.monotonic()
         deadline, limit = now + cfg.reserve_timeout_s, now + cfg.prefill_timeout_s
         progress = router.decode_progress
+        blocks = -(-spec.num_tokens // router.policy.block_size)
         while True:
             for w in await self._candidates(Pool.DECODE):
+                # Counted against the worker's room at once, not once granted: the other
+                # requests of a burst, choosing while this call is out, see it.
+                router.reserved(w.name, blocks)
                 ref = w.handle.reserve.remote(
                     spec.request_id,
                     spec.attempt,
@@ -253,6 +257,7 @@ class RequestDriver:
                 try:
                     res = await self.router.call(w, ref)
                 except AttemptFailed:  # that worker is gone or slow: try the next
+                    router.unreserved(w.name, blocks)
                     self.router.release_when_made(  # a late grant
                         w,
                         ref,
@@ -262,12 +267,13 @@ class RequestDriver:
                     )
                     continue
                 except asyncio.CancelledError:  # the request ended with the call out
+                    router.unreserved(w.name, blocks)
                     self.router.release_when_made(w, ref, self._ids(spec))
                     raise
                 if res is not None:
                     self.decode = w.name
-                    self.router.reserved(w.name, res.num_blocks)
                     return w
+                router.unreserved(w.name, blocks)
             if (never := router.fits_no_decode_worker(spec.num_tokens)) is not None:
                 raise AttemptFailed(
                     Status.INVALID_ARGUMENT, f"this request cannot run here: {never}"
@@ -292,10 +298,12 @@ class RequestDriver:
     async def _submit_colocated(self, spec: RequestSpec) -> WorkerRef:
         """The whole request to a decode worker: it prefills the prompt itself."""
         for w in await self._candidates(Pool.DECODE):
+            self.router.reserved(w.name, 0)  # counted at once, as in _reserve
             ref = w.handle.submit.remote(spec)
             try:
                 took = await self.router.call(w, ref)
             except AttemptFailed:  # gone or slow: the next; a late start there is cancelled
+                self.router.unreserved(w.name, 0)
                 self.router.release_when_made(
                     w,
                     ref,
@@ -305,12 +313,13 @@ class RequestDriver:
                 )
                 continue
             except asyncio.CancelledError:  # the request ended with the call out
+                self.router.unreserved(w.name, 0)
                 self.router.release_when_made(w, ref, spec.request_id)
                 raise
             if took:
                 self.decode = w.name
-                self.router.reserved(w.name, 0)
                 return w
+            self.router.unreserved(w.name, 0)
         raise AttemptFailed(Status.UNAVAILABLE, "no decode worker took the request")
 
     async def _candidates(self, pool: Pool) -> list[WorkerRef]:
