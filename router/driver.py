@@ -244,36 +244,22 @@ class RequestDriver:
         blocks = -(-spec.num_tokens // router.policy.block_size)
         while True:
             for w in await self._candidates(Pool.DECODE):
-                # Counted against the worker's room at once, not once granted: the other
-                # requests of a burst, choosing while this call is out, see it.
-                router.reserved(w.name, blocks)
-                ref = w.handle.reserve.remote(
-                    spec.request_id,
+                res = await self._claim(
+                    w,
+                    lambda w=w: w.handle.reserve.remote(
+                        spec.request_id,
+                        spec.attempt,
+                        spec.num_tokens,
+                        router.id,
+                        cfg.prefill_timeout_s + 2 * cfg.rpc_timeout_s,
+                    ),
+                    self._ids(spec),
+                    blocks,
                     spec.attempt,
-                    spec.num_tokens,
-                    self.router.id,
-                    cfg.prefill_timeout_s + 2 * cfg.rpc_timeout_s,
                 )
-                try:
-                    res = await self.router.call(w, ref)
-                except AttemptFailed:  # that worker is gone or slow: try the next
-                    router.unreserved(w.name, blocks)
-                    self.router.release_when_made(  # a late grant
-                        w,
-                        ref,
-                        self._ids(spec),
-                        wanted=lambda w=w: self.decode == w.name,
-                        attempt=spec.attempt,
-                    )
-                    continue
-                except asyncio.CancelledError:  # the request ended with the call out
-                    router.unreserved(w.name, blocks)
-                    self.router.release_when_made(w, ref, self._ids(spec))
-                    raise
                 if res is not None:
                     self.decode = w.name
                     return w
-                router.unreserved(w.name, blocks)
             if (never := router.fits_no_decode_worker(spec.num_tokens)) is not None:
                 raise AttemptFailed(
                     Status.INVALID_ARGUMENT, f"this request cannot run here: {never}"
@@ -298,29 +284,37 @@ class RequestDriver:
     async def _submit_colocated(self, spec: RequestSpec) -> WorkerRef:
         """The whole request to a decode worker: it prefills the prompt itself."""
         for w in await self._candidates(Pool.DECODE):
-            self.router.reserved(w.name, 0)  # counted at once, as in _reserve
-            ref = w.handle.submit.remote(spec)
-            try:
-                took = await self.router.call(w, ref)
-            except AttemptFailed:  # gone or slow: the next; a late start there is cancelled
-                self.router.unreserved(w.name, 0)
-                self.router.release_when_made(
-                    w,
-                    ref,
-                    spec.request_id,
-                    wanted=lambda w=w: self.decode == w.name,
-                    attempt=spec.attempt,
-                )
-                continue
-            except asyncio.CancelledError:  # the request ended with the call out
-                self.router.unreserved(w.name, 0)
-                self.router.release_when_made(w, ref, spec.request_id)
-                raise
-            if took:
+            send = lambda w=w: w.handle.submit.remote(spec)  # noqa: E731 (one line)
+            if await self._claim(w, send, spec.request_id, 0, spec.attempt):
                 self.decode = w.name
                 return w
-            self.router.unreserved(w.name, 0)
         raise AttemptFailed(Status.UNAVAILABLE, "no decode worker took the request")
+
+    async def _claim(self, w: WorkerRef, send, ids, blocks: int, attempt: int):
+        """One reserve or colocated submit (`send()` makes the call) to decode worker w: its
+        answer, or None where w failed or was too slow. The request and its blocks count
+        against w's room from the moment the call goes, not once granted, so that the other
+        requests of a burst, choosing while it is out, see it; until w's next status, or
+        taken back if w says no. A yes that comes too late is cancelled once it lands, unless
+        the request got w after all."""
+        router = self.router
+        router.reserved(w.name, blocks)
+        ref = send()
+        try:
+            res = await router.call(w, ref)
+        except AttemptFailed:  # gone or slow: the caller tries the next
+            router.unreserved(w.name, blocks)
+            router.release_when_made(
+                w, ref, ids, wanted=lambda: self.decode == w.name, attempt=attempt
+            )
+            return None
+        except asyncio.CancelledError:  # the request ended with the call out
+            router.unreserved(w.name, blocks)
+            router.release_when_made(w, ref, ids)
+            raise
+        if not res:
+            router.unreserved(w.name, blocks)
+        return res
 
     async def _candidates(self, pool: Pool) -> list[WorkerRef]:
         """Live, undrained workers of a pool, best first. With none, wait for the pool to heal
