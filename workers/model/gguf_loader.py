@@ -1,12 +1,20 @@
 """Reads a GGUF checkpoint: its architecture from the metadata, its tensors dequantized with the
-`gguf` package and renamed to HF names. llama.cpp stores Llama's q/k rows permuted for its
-interleaved RoPE; they are permuted back here so the decoder can use rotate-half RoPE.
+`gguf` package and renamed to HF names, streamed one at a time. llama.cpp stores Llama's q/k
+rows permuted for its interleaved RoPE; they are permuted back here so the decoder can use
+rotate-half RoPE.
+
+A tensor's bytes are read from the file a slice of rows at a time (never through the reader's
+memory map, whose touched pages would stay resident until the reader goes) and dequantized
+into one float32 array: reading holds that array plus a slice's worth, whatever the quant type
+(`gguf`'s own whole-tensor dequantize holds about twice the output).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -30,6 +38,7 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_SLICE = 1 << 20  # float32 elements dequantized at a time: bounds the transient (4 MiB here)
 
 
 def _reader(path: Path):
@@ -94,30 +103,69 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    if (m := _BLOCK.match(gguf_name)) is None:
+        return None
+    layer, kind, suffix = m.groups()
+    if kind not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
+
+
+def open_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """The config, and a lazy stream of (HF name, float32 host tensor)."""
+    reader = _reader(path)
+    return (cfg := read_gguf_config(path, reader)), _stream(path, reader, cfg)
+
+
+def _stream(path: Path, reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    with open(path, "rb") as f:
+        for t in reader.tensors:
+            if (name := _hf_name(t.name)) is None:
+                continue
+            n_head = None
+            if cfg.architecture == "llama" and ".attn_q." in t.name:
+                n_head = cfg.num_heads
+            elif cfg.architecture == "llama" and ".attn_k." in t.name:
+                n_head = cfg.num_kv_heads
+            # Yielded with no local bound to it: the consumer's drop frees it.
+            yield name, torch.from_numpy(_dequantize(f, path, t, n_head))
+
+
+def _dequantize(f: BinaryIO, path: Path, t, n_head: int | None) -> np.ndarray:
+    """Tensor `t` as float32 in HF order (its rows unpermuted over `n_head` heads if given),
+    read and dequantized a slice of rows at a time. A row (along ggml's innermost dimension)
+    is a whole number of quant blocks, so each slice dequantizes on its own."""
     from gguf.quants import dequantize
 
-    reader = _reader(path)
-    cfg = read_gguf_config(path, reader)
-    tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        if t.name in _GLOBAL_NAMES:
-            name = _GLOBAL_NAMES[t.name]
-        elif m := _BLOCK.match(t.name):
-            layer, kind, suffix = m.groups()
-            if kind not in _LAYER_NAMES:
-                continue
-            name = f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
-        else:
-            continue
+    stored = t.data  # the reader's view: its dtype and shape are used, never its pages
+    rows = int(np.prod(stored.shape[:-1]))  # 1 for a vector
+    row_bytes = t.n_bytes // rows
+    out = np.empty((rows, t.n_elements // rows), dtype=np.float32)
+    # llama.cpp's stored row r belongs at dest[r] (a vector's elements are permuted as a whole
+    # below: a vector is one row here).
+    dest = None
+    if n_head is not None and rows > 1:
+        dest = np.argsort(_unpermute(np.arange(rows), n_head))
+    step = max(1, _SLICE // out.shape[1])
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        raw = np.empty((r1 - r0) * row_bytes, dtype=np.uint8)
+        f.seek(t.data_offset + r0 * row_bytes)
+        if f.readinto(raw) != raw.nbytes:
+            raise CheckpointError(f"{path}: tensor {t.name!r} runs past the end of the file")
+        piece = raw.view(stored.dtype).reshape(r1 - r0, stored.shape[-1])
         try:
-            array = dequantize(t.data, t.tensor_type)
+            values = dequantize(piece, t.tensor_type).reshape(r1 - r0, -1)
         except Exception as e:
             raise CheckpointError(f"{path}: tensor {t.name!r} could not be dequantized: {e}") from e
-        array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist())))
-        if cfg.architecture == "llama" and ".attn_q." in t.name:
-            array = _unpermute(array, cfg.num_heads)
-        elif cfg.architecture == "llama" and ".attn_k." in t.name:
-            array = _unpermute(array, cfg.num_kv_heads)
-        tensors[name] = torch.from_numpy(np.array(array, copy=True, order="C"))
-    return cfg, tensors
+        if dest is None:
+            out[r0:r1] = values
+        else:
+            out[dest[r0:r1]] = values
+    out = out.reshape(tuple(reversed(t.shape.tolist())))
+    if n_head is not None and rows == 1:
+        out = np.ascontiguousarray(_unpermute(out, n_head))
+    return out

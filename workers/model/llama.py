@@ -1,11 +1,16 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) that runs on flattened token rows
 against a paged KV cache. Weights take HF names; q/k/v and gate/up are fused at load time
 because one larger matmul beats three small ones on CPU and GPU alike.
+
+Loading fills the model in place, one checkpoint tensor at a time: the model is built on the
+meta device, given empty storage on its own device (`materialize`), then each tensor is copied
+into its parameter, or into its rows of a fused one (`load_hf_weights`), and dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +89,18 @@ class DecoderLayer(nn.Module):
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(h))), residual
 
 
+class _Slot(NamedTuple):
+    """Where one HF-named checkpoint tensor goes: `rows` rows of `param` from `start` (all of
+    `param` when `rows` is None)."""
+
+    param: torch.Tensor
+    start: int = 0
+    rows: int | None = None
+
+    def view(self) -> torch.Tensor:
+        return self.param if self.rows is None else self.param.narrow(0, self.start, self.rows)
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -136,47 +153,89 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden, float_out=True)
 
-    def load_hf_weights(self, weights: dict[str, torch.Tensor], source: str) -> None:
-        """Load HF-named tensors (`model.layers.N.self_attn.q_proj.weight`, ...), fusing
-        q/k/v and gate/up as it goes."""
+    def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Real storage for a model built on the meta device: every parameter an empty tensor
+        on `device` in `dtype` (a tied lm_head keeps sharing the embedding's), the rope tables
+        computed there in float32. The parameters hold garbage until `load_hf_weights`."""
+        # Module.to_empty would give the tied lm_head a storage of its own (a vocab-sized
+        # allocation, and untied); one new parameter per old one keeps the tie.
+        owners = [
+            (module, name, p)
+            for module in self.modules()
+            for name, p in module.named_parameters(recurse=False)
+        ]
+        fresh: dict[int, nn.Parameter] = {}  # by id of the old parameter, alive in `owners`
+        for module, name, p in owners:
+            if id(p) not in fresh:
+                empty = torch.empty(p.shape, dtype=dtype, device=device)
+                fresh[id(p)] = nn.Parameter(empty, requires_grad=p.requires_grad)
+            setattr(module, name, fresh[id(p)])
+        self.rope.materialize(device)
+
+    def _slots(self) -> dict[str, _Slot]:
+        """Every tensor the checkpoint must supply, by HF name less `model.`, in the order a
+        missing one is reported."""
         cfg = self.cfg
-        w = {k.removeprefix("model."): t for k, t in weights.items()}
+        slots = {"embed_tokens.weight": _Slot(self.embed_tokens.weight)}
+        slots["norm.weight"] = _Slot(self.norm.weight)
+        if not cfg.tie_word_embeddings:
+            slots["lm_head.weight"] = _Slot(self.lm_head.weight)
+        qkv_rows = {"q": (0, cfg.q_size), "k": (cfg.q_size, cfg.kv_size)}
+        qkv_rows["v"] = (cfg.q_size + cfg.kv_size, cfg.kv_size)
+        for i, layer in enumerate(self.layers):
+            attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+            suffixes = ("weight", "bias") if cfg.qkv_bias else ("weight",)
+            for suffix in suffixes:
+                fused = getattr(layer.qkv_proj, suffix)
+                for n, (start, rows) in qkv_rows.items():
+                    slots[f"{attn}{n}_proj.{suffix}"] = _Slot(fused, start, rows)
+            slots[attn + "o_proj.weight"] = _Slot(layer.o_proj.weight)
+            n = cfg.intermediate_size
+            slots[mlp + "gate_proj.weight"] = _Slot(layer.gate_up_proj.weight, 0, n)
+            slots[mlp + "up_proj.weight"] = _Slot(layer.gate_up_proj.weight, n, n)
+            slots[mlp + "down_proj.weight"] = _Slot(layer.down_proj.weight)
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                slots[f"layers.{i}.{norm}.weight"] = _Slot(getattr(layer, norm).weight)
+        covered = {id(s.param) for s in slots.values()}
+        for name, p in self.named_parameters():
+            if id(p) not in covered:  # a parameter added to the model but not to this table
+                raise CheckpointError(f"parameter {name!r} is filled from no checkpoint tensor")
+        return slots
 
-        def take(name: str) -> torch.Tensor:
-            if name not in w:
-                raise CheckpointError(f"{source}: tensor {name!r} is missing")
-            return w[name]
-
-        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-            if tuple(param.shape) != tuple(value.shape):
-                raise CheckpointError(
-                    f"{source}: tensor {name!r} has shape {tuple(value.shape)}, "
-                    f"expected {tuple(param.shape)} for this config"
-                )
-            param.data.copy_(value)
-
+    def load_hf_weights(
+        self,
+        weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        source: str,
+    ) -> None:
+        """Fill every parameter from HF-named tensors (`model.layers.N.self_attn.q_proj.weight`,
+        ...), a mapping or a stream of (name, tensor) pairs: each is converted to its
+        parameter's dtype and device and copied in (q/k/v and gate/up into their rows of the
+        fused weights), then dropped, so a stream is held one tensor at a time. Names the model
+        does not use are skipped; a missing or misshapen tensor is a CheckpointError naming it.
+        """
+        slots = self._slots()
+        filled: set[str] = set()
+        pairs = weights.items() if isinstance(weights, Mapping) else weights
         with torch.no_grad():
-            put(self.embed_tokens.weight, take("embed_tokens.weight"), "embed_tokens.weight")
-            put(self.norm.weight, take("norm.weight"), "norm.weight")
-            if not cfg.tie_word_embeddings:
-                put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
-            for i, layer in enumerate(self.layers):
-                p = f"layers.{i}."
-                attn, mlp = p + "self_attn.", p + "mlp."
-                qkv = torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"])
-                put(layer.qkv_proj.weight, qkv, attn + "qkv_proj.weight")
-                if cfg.qkv_bias:
-                    bias = torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"])
-                    put(layer.qkv_proj.bias, bias, attn + "qkv_proj.bias")
-                put(layer.o_proj.weight, take(attn + "o_proj.weight"), attn + "o_proj.weight")
-                gate_up = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
-                put(layer.gate_up_proj.weight, gate_up, mlp + "gate_up_proj.weight")
-                put(
-                    layer.down_proj.weight, take(mlp + "down_proj.weight"), mlp + "down_proj.weight"
-                )
-                put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "ln")
-                put(
-                    layer.post_attention_layernorm.weight,
-                    take(p + "post_attention_layernorm.weight"),
-                    p + "post_attention_layernorm.weight",
-                )
+            for full_name, value in pairs:
+                name = full_name.removeprefix("model.")
+                if name in slots:
+                    _copy_into(slots[name].view(), value, name, source)
+                    filled.add(name)
+                del value  # before the stream reads the next one
+        for name in slots:
+            if name not in filled:
+                raise CheckpointError(f"{source}: tensor {name!r} is missing")
+
+
+def _copy_into(dest: torch.Tensor, value: torch.Tensor, name: str, source: str) -> None:
+    if tuple(dest.shape) != tuple(value.shape):
+        raise CheckpointError(
+            f"{source}: tensor {name!r} has shape {tuple(value.shape)}, "
+            f"expected {tuple(dest.shape)} for this config"
+        )
+    if value.device != dest.device and value.dtype != dest.dtype:
+        # Over in the checkpoint's own dtype, converted on arrival: a blocking copy_ across
+        # devices converts on the host first, into a host temporary of the destination's size.
+        value = value.to(dest.device)
+    dest.copy_(value)

@@ -1,8 +1,13 @@
-"""Resolves a model reference (the default, a .gguf file or an HF folder) and builds the model."""
+"""Resolves a model reference (the default, a .gguf file or an HF folder) and builds the model:
+on the meta device first, then given storage on its own device in its own dtype and filled
+from the checkpoint one tensor at a time. Host memory holds one checkpoint tensor at a time
+(and, on the CPU, the model itself), never a whole checkpoint.
+"""
 
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,14 +64,24 @@ def resolve_model(ref: str | None) -> ModelSource:
     return ModelSource(path)
 
 
-def read_checkpoint(src: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def open_checkpoint(src: ModelSource) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """The config, and a lazy stream of (HF name, host tensor): read one at a time as the
+    stream is iterated, none kept by the reader once yielded. GGUF tensors come as float32,
+    safetensors in their stored dtype."""
     if src.is_gguf:
-        from workers.model.gguf_loader import load_gguf
+        from workers.model.gguf_loader import open_gguf
 
-        return load_gguf(src.path)
-    from workers.model.hf_loader import load_hf_folder
+        return open_gguf(src.path)
+    from workers.model.hf_loader import open_hf_folder
 
-    return load_hf_folder(src.path)
+    return open_hf_folder(src.path)
+
+
+def read_checkpoint(src: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The whole checkpoint in host memory, for tools (build_model streams instead)."""
+    cfg, tensors = open_checkpoint(src)
+    # Owned copies: a streamed safetensors tensor is a view of a mapping of its whole file.
+    return cfg, {name: t.clone() for name, t in tensors}
 
 
 def read_model_config(src: ModelSource) -> ModelConfig:
@@ -75,24 +90,34 @@ def read_model_config(src: ModelSource) -> ModelConfig:
         from workers.model.gguf_loader import read_gguf_config
 
         return read_gguf_config(src.path)
-    import json
+    from workers.model.hf_loader import read_hf_config
 
-    path = src.path / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing (a model folder needs config.json)")
-    return ModelConfig.from_hf(json.loads(path.read_text()), source=str(path))
+    return read_hf_config(src.path)
 
 
 def build_model(
     src: ModelSource, dtype: torch.dtype, device: torch.device, max_positions: int | None = None
 ) -> LlamaForCausalLM:
-    cfg, weights = read_checkpoint(src)
-    positions = max_positions or cfg.max_position_embeddings
-    model = LlamaForCausalLM(cfg, max_positions=max(positions, cfg.max_position_embeddings))
-    model.load_hf_weights(weights, str(src.path))
-    del weights
-    model = model.to(device=device, dtype=dtype).eval()
-    model.rope.to(torch.float32)  # positions stay exact in fp32 whatever the weights' dtype
+    cfg, tensors = open_checkpoint(src)
+    return assemble_model(cfg, tensors, dtype, device, str(src.path), max_positions)
+
+
+def assemble_model(
+    cfg: ModelConfig,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    device: torch.device,
+    source: str,
+    max_positions: int | None = None,
+) -> LlamaForCausalLM:
+    """A model of `cfg` on `device` in `dtype`, filled from HF-named tensors as they come
+    (`source` names them in errors); on the CPU, its linears packed for the CPU kernels."""
+    positions = max(max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    with torch.device("meta"):  # shapes alone: no memory, no random init
+        model = LlamaForCausalLM(cfg, max_positions=positions)
+    model.materialize(device, dtype)
+    model.load_hf_weights(tensors, source)
+    model.eval()
     if device.type == "cpu":
         pack_linears(model, device)
         model.use_cpu_kernels(cpu_kernels())
