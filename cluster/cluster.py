@@ -22,7 +22,7 @@ import ray
 from cluster import config_io
 from cluster.autoscale import Autoscaler
 from cluster.config import ClusterConfig
-from cluster.pools import NAMESPACE, PoolManager, PoolSpec, pool_engine
+from cluster.pools import NAMESPACE, PoolManager, PoolSpec
 from cluster.redis_server import EmbeddedRedis
 from cluster.state import RedisStore, redact
 from router.core import Router
@@ -147,7 +147,7 @@ class Cluster:
         self.router = Router(
             self.pools,
             Tokenizer(src),
-            cfg.engine.block_size,
+            cfg.engine_for(Pool.DECODE).block_size,
             self.store,
             cfg.router,
             mode=cfg.mode,
@@ -194,7 +194,7 @@ class Cluster:
         p = self.cfg.pool(pool)
         return PoolSpec(
             p.replicas,
-            pool_engine(self.cfg.engine, p.threads, p.cpus),
+            self.cfg.engine_for(pool),
             p.cpus,
             p.gpus,
             tuple(sorted(p.resources.items())),

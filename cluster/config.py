@@ -13,7 +13,7 @@ fields (cluster/config_io.py), and validated once, with errors that name the fie
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cluster import config_io
 from router.config import RouterConfig
@@ -86,7 +86,13 @@ class AutoscaleConfig:
 class PoolConfig:
     replicas: int = field(default=1, metadata=_h("workers in the pool", aliases=("--{section}",)))
     cpus: float = field(default=1.0, metadata=_h("Ray CPUs each worker declares"))
-    gpus: float = field(default=0.0, metadata=_h("Ray GPUs each worker declares"))
+    gpus: float = field(
+        default=0.0,
+        metadata=_h(
+            "Ray GPUs each worker declares: 0, or whole GPUs (a worker on CUDA needs one of "
+            "its own; with engine.device auto, gpus >= 1 puts the pool on CUDA)"
+        ),
+    )
     threads: int | None = field(
         default=None, metadata=_h("torch threads per worker on CPU (default: its cpus)")
     )
@@ -180,6 +186,53 @@ class ClusterConfig:
                 )
         if self.metrics_export_port is not None and not 0 < self.metrics_export_port < 65536:
             raise bad("metrics_export_port", "must be a TCP port")
+        self._check_devices(bad)
+
+    def _check_devices(self, bad) -> None:
+        """Each worker's device follows from the engine's and its pool's GPUs. A CUDA worker
+        needs a whole GPU of its own: Ray hides GPUs from an actor that declares none (or, in
+        some versions, shows it every GPU, so that all of them use GPU 0), and two ranks of a
+        KV pair on one GPU are refused by NCCL ("Duplicate GPU detected"). Both pools must
+        land on the same kind of device: a pair group is NCCL or gloo on both sides."""
+        device = self.engine.device
+        kinds = {}
+        for pool in self.pools:
+            gpus = self.pool(pool).gpus
+            name = f"{pool.value}.gpus"
+            if gpus and (gpus < 1 or not float(gpus).is_integer()):
+                raise bad(
+                    name,
+                    f"{gpus:g}: GPUs are whole per worker (a fraction shares a GPU, and NCCL "
+                    "refuses two ranks of a pair on one GPU)",
+                )
+            if device.startswith("cuda") and gpus < 1:
+                raise bad(name, f"{gpus:g}: engine.device={device!r} needs gpus >= 1 per worker")
+            if device == "cpu" and gpus:
+                raise bad(name, f"{gpus:g}: engine.device='cpu' would hold GPUs it never uses")
+            index = int(device.partition(":")[2] or 0)
+            if device.startswith("cuda") and index >= gpus:
+                raise bad(
+                    "engine.device",
+                    f"{device!r}: a worker sees only the {gpus:g} GPU(s) Ray gives it, as "
+                    f"cuda:0..{gpus - 1:g} ({name})",
+                )
+            kinds[pool] = self.engine_for(pool).device.partition(":")[0]
+        if len(set(kinds.values())) > 1:
+            raise bad(
+                "decode.gpus",
+                f"the prefill pool runs on {kinds[Pool.PREFILL]} and the decode pool on "
+                f"{kinds[Pool.DECODE]}: both must be on one kind of device (give both pools "
+                "GPUs, or neither)",
+            )
+
+    def engine_for(self, pool: Pool) -> EngineConfig:
+        """The engine config a worker of this pool runs: device, dtype and block size
+        resolved (device auto: CUDA if the pool declares GPUs), threads on CPU."""
+        p = self.pool(pool)
+        engine = self.engine.resolve(cuda=p.gpus >= 1)
+        if engine.device != "cpu":
+            return engine
+        return replace(engine, num_threads=p.threads or engine.num_threads or max(1, int(p.cpus)))
 
     def pool(self, pool: Pool) -> PoolConfig:
         return self.prefill if pool is Pool.PREFILL else self.decode

@@ -18,7 +18,7 @@ import functools
 import logging
 import re
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import ray
 
@@ -484,13 +484,6 @@ class PoolManager:
         for pool in Pool:
             for name in list(self.workers[pool]):
                 await self.remove(name)
-
-
-def pool_engine(engine: EngineConfig, threads: int | None, cpus: float) -> EngineConfig:
-    """A pool's engine: the cluster's, with that pool's torch threads on CPU."""
-    if engine.device != "cpu":
-        return engine
-    return replace(engine, num_threads=threads or engine.num_threads or max(1, int(cpus)))
 
 
 STATUS, LOOP = "status", "loop"  # the concurrency groups of WorkerBase.STATUS_CALLS, LOOP_CALLS

@@ -19,6 +19,8 @@ def other_value(leaf: config_io.Leaf):
         return next(c for c in meta["choices"] if c != default)
     special = {
         "engine.device": "cuda:1",
+        "prefill.gpus": 2.0,
+        "decode.gpus": 2.0,
         "engine.model": "/models/llama",
         "engine.block_size": 32,
         "engine.max_model_len": 1024,
@@ -64,11 +66,23 @@ def nest(path, value):
     return out
 
 
-def valid(leaf, value) -> dict:
-    """The overrides for one field, plus what makes them valid together (fp16 needs CUDA)."""
-    values = nest(leaf.path, value)
+def companions(leaf, value) -> dict:
+    """What makes a field's value valid with the rest: fp16 needs CUDA; a CUDA worker, whole
+    GPUs of its own (cuda:1, two); both pools on one kind of device."""
     if leaf.name == "engine.dtype" and value == "float16":
-        values = config_io.merge(values, {"engine": {"device": "cuda"}})
+        return {"engine.device": "cuda", "prefill.gpus": 1.0, "decode.gpus": 1.0}
+    if leaf.name == "engine.device":
+        return {"prefill.gpus": 2.0, "decode.gpus": 2.0}
+    if leaf.name in ("prefill.gpus", "decode.gpus"):
+        return {"prefill.gpus": value, "decode.gpus": value}
+    return {}
+
+
+def valid(leaf, value) -> dict:
+    """The overrides for one field, plus what makes them valid together."""
+    values = nest(leaf.path, value)
+    for name, more in companions(leaf, value).items():
+        values = config_io.merge(values, nest(tuple(name.split(".")), more))
     return values
 
 
@@ -92,8 +106,9 @@ def test_every_field_can_be_set_from_a_flag(leaf):
         argv = [flag if value else "--no-" + flag[2:]]
     else:
         argv = [flag, flag_text(value)]
-    if leaf.name == "engine.dtype" and value == "float16":
-        argv += ["--device", "cuda"]
+    leaves = {x.name: x for x in config_io.leaves(ClusterConfig)}
+    for name, more in companions(leaf, value).items():
+        argv += [config_io.flag_names(leaves[name], FLAT)[0], flag_text(more)]
     cfg = load_config(None, parser.parse_args(argv))
     assert get(cfg, leaf.path) == value
 

@@ -4,12 +4,18 @@ scheduler's configuration is derived from it (`EngineConfig.scheduler`), never s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 
-DTYPES = ("float32", "bfloat16", "float16")
+from workers.model.flash_rules import FLASH_PAGE_MULTIPLE, flash_refusal
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority", "shortest-first")
 BATCHING = ("continuous", "static")
 ATTENTION_BACKENDS = ("auto", "torch", "torch-sdpa", "flash-attn")
+# What "auto" resolves to on each kind of device: a dtype and block size every backend there
+# takes (flash-attn's pages are 256 tokens; the fallbacks take any size).
+AUTO = {"cuda": ("bfloat16", FLASH_PAGE_MULTIPLE), "cpu": ("float32", 16)}
 
 
 def _h(text: str, **more) -> dict:
@@ -62,10 +68,26 @@ class EngineConfig:
         default=None,
         metadata=_h("a .gguf file or an HF folder (default: SmolLM2-135M-Instruct)"),
     )
-    dtype: str = field(default="float32", metadata=_h("weights and KV cache", choices=DTYPES))
-    device: str = field(default="cpu", metadata=_h("cpu or cuda[:N]"))
-    attention_backend: str = field(default="auto", metadata=_h("", choices=ATTENTION_BACKENDS))
-    block_size: int = field(default=16, metadata=_h("tokens per KV block"))
+    dtype: str = field(
+        default="auto",
+        metadata=_h(
+            "weights and KV cache (auto: bfloat16 on CUDA, float32 on CPU)", choices=DTYPES
+        ),
+    )
+    device: str = field(
+        default="auto", metadata=_h("auto, cpu or cuda[:N] (auto: CUDA where a GPU is at hand)")
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata=_h(
+            "auto: flash-attn on CUDA where installed and the config suits it, else a paged "
+            "torch path (Triton on CUDA, Tandem's kernels on CPU)",
+            choices=ATTENTION_BACKENDS,
+        ),
+    )
+    block_size: int | None = field(
+        default=None, metadata=_h("tokens per KV block (default: 256 on CUDA, 16 on CPU)")
+    )
     num_kv_blocks: int | None = field(
         default=None, metadata=_h("KV blocks (default: as many as --kv-cache-gb holds)")
     )
@@ -95,21 +117,28 @@ class EngineConfig:
     num_threads: int | None = field(
         default=None, metadata=_h("torch intra-op threads on CPU (default: torch's choice)")
     )
+    cuda_graphs: bool = field(
+        default=True,
+        metadata=_h("replay decode steps from CUDA graphs captured per batch size (CUDA only)"),
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose from {', '.join(DTYPES)}")
+        if self.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device={self.device!r}: choose auto, cpu or cuda[:N]")
         if self.device == "cpu" and self.dtype == "float16":
             raise ValueError("dtype='float16' is for GPUs; on the CPU use float32 or bfloat16")
-        if not self.device.startswith(("cpu", "cuda")):
-            raise ValueError(f"device={self.device!r}: choose cpu or cuda[:N]")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend={self.attention_backend!r}: choose from "
                 + ", ".join(ATTENTION_BACKENDS)
             )
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size={self.block_size}: must be a positive power of two")
+        bs = self.block_size
+        if bs is not None and (isinstance(bs, bool) or bs <= 0 or bs & (bs - 1)):
+            raise ValueError(f"block_size={bs}: must be a positive power of two")
+        if self.attention_backend == "flash-attn":
+            self._check_flash()
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks}: must be positive")
         if self.kv_cache_gb <= 0:
@@ -119,6 +148,40 @@ class EngineConfig:
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads={self.num_threads}: must be positive")
         self.scheduler(self.max_model_len or 8192)  # its checks name engine fields too
+
+    def _check_flash(self) -> None:
+        """What flash-attn refuses, refused when the config loads rather than at every step;
+        a dtype or block size left to auto resolves to what it takes."""
+        if self.device == "cpu":
+            raise ValueError(
+                "attention_backend='flash-attn' runs on CUDA only: set device to cuda or auto"
+            )
+        dtype = None if self.dtype == "auto" else self.dtype
+        why = flash_refusal(dtype=dtype, block_size=self.block_size)
+        if why is not None:
+            raise ValueError(
+                f"{why} (attention_backend='flash-attn'; leave block_size and dtype unset for "
+                f"{FLASH_PAGE_MULTIPLE} and bfloat16, or choose attention_backend auto)"
+            )
+
+    def resolve(self, cuda: bool | None = None) -> EngineConfig:
+        """This config with device, dtype and block size fixed: `device: auto` is CUDA where
+        `cuda` says a GPU is at hand (default: whether torch sees one), and the dtype and
+        block size left unset take that device's defaults, which every backend there takes."""
+        device = self.device
+        if device == "auto":
+            if cuda is None:
+                import torch
+
+                cuda = torch.cuda.is_available()
+            device = "cuda" if cuda else "cpu"
+        dtype, block_size = AUTO[device.partition(":")[0]]
+        return replace(
+            self,
+            device=device,
+            dtype=dtype if self.dtype == "auto" else self.dtype,
+            block_size=self.block_size or block_size,
+        )
 
     def context_len(self, model_max: int) -> int:
         """The longest sequence (prompt and output) an engine of this config takes, for a

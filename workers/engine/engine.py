@@ -29,7 +29,8 @@ import torch
 from kv_transfer.layout import KVLayout
 from workers.engine.block_pool import BlockPool
 from workers.engine.config import EngineConfig
-from workers.engine.model_runner import ModelRunner
+from workers.engine.cuda_graphs import GraphCapture
+from workers.engine.model_runner import GraphSettings, ModelRunner
 from workers.engine.request import (
     FinishReason,
     Request,
@@ -90,22 +91,31 @@ class LLMEngine:
         config: EngineConfig,
         tokenizer: Tokenizer | None = None,
         model: LlamaForCausalLM | None = None,
+        *,
+        make_graph: Callable[[], GraphCapture] | None = None,
     ) -> None:
         """`tokenizer` and `model` may be passed in to share one loaded checkpoint between
-        engines (each engine still owns its own KV cache); they must match `config.model`."""
-        self.config = config
+        engines (each engine still owns its own KV cache); they must match `config.model`.
+        `make_graph`: capture decode graphs with it, on any device (tests use EagerReplay);
+        by default CUDA graphs on CUDA, unless config.cuda_graphs is off."""
+        config = self.config = config.resolve()
         if config.num_threads and config.device == "cpu":
             torch.set_num_threads(config.num_threads)
-        self.source = resolve_model(config.model)
-        self.tokenizer = tokenizer or Tokenizer(self.source)
         device = torch.device(config.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # this thread's current device: the loop's
+        self.source = resolve_model(config.model) if model is None or tokenizer is None else None
+        self.tokenizer = tokenizer or Tokenizer(self.source)
         if model is None:
             model = build_model(self.source, getattr(torch, config.dtype), device)
         self.model_config = model.cfg
         self.max_model_len = config.context_len(model.cfg.max_position_embeddings)
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(model)
+        graphs = None
+        if make_graph is not None or (device.type == "cuda" and config.cuda_graphs):
+            graphs = GraphSettings(config.max_num_seqs, self.max_model_len, make_graph)
         self.runner = ModelRunner(
-            model, num_blocks, config.block_size, device, config.attention_backend
+            model, num_blocks, config.block_size, device, config.attention_backend, graphs
         )
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler(self.max_model_len), self.pool)
@@ -124,12 +134,14 @@ class LLMEngine:
             Callable[[list[tuple[str, list[int], int]]], Callable[[int], None] | None] | None
         ) = None
         log.info(
-            "engine ready: %s, %s, %d KV blocks of %d tokens, backend %s",
-            self.source.path.name,
+            "engine ready: %s on %s, %s, %d KV blocks of %d tokens, backend %s%s",
+            self.source.path.name if self.source else "a model passed in",
+            device,
             config.dtype,
             num_blocks,
             config.block_size,
             self.runner.backend.name,
+            ", decode in CUDA graphs" if self.runner.graphs else "",
         )
 
     # -- requests ---------------------------------------------------------------------------

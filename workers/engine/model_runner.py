@@ -9,15 +9,31 @@ of blocks at a time; the attention backends read it as a (K, V) pair of views.
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from kv_transfer.layout import KVLayout
+from workers.engine.cuda_graphs import DecodeGraphs, GraphCapture
 from workers.engine.request import choice_id, choice_seed
 from workers.engine.sampler import Penalties, SamplingTensors, sample
 from workers.engine.scheduler_output import SampledToken, ScheduledRequest, SchedulerOutput
 from workers.model.attention import AttentionMetadata, PrefillSlice, select_backend
 from workers.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GraphSettings:
+    """What decode graphs are captured for: batches up to max_batch rows, sequences up to
+    max_model_len tokens. `make_graph`: how one graph is captured (None: a CUDA graph)."""
+
+    max_batch: int
+    max_model_len: int
+    make_graph: Callable[[], GraphCapture] | None = None
 
 
 def allocate_kv_cache(layout: KVLayout, num_blocks: int, device: torch.device):
@@ -42,17 +58,43 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         attention_backend: str = "auto",
+        graphs: GraphSettings | None = None,
     ) -> None:
+        """`graphs`: replay decode steps from CUDA graphs (when the backend allows it)."""
         cfg = model.cfg
         self.model = model
         self.device = device
         self.block_size = block_size
-        self.backend = select_backend(attention_backend, device)
+        dtype = next(model.parameters()).dtype
+        self.backend = select_backend(attention_backend, device, dtype, block_size, cfg.head_dim)
         self.backend.check_block_size(block_size)
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        self.layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype)
-        self.kv_layers = allocate_kv_cache(self.layout, num_blocks, device)
+        dtype_name = str(dtype).removeprefix("torch.")
+        self.layout = KVLayout(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype_name
+        )
+        self.graphs: DecodeGraphs | None = None
+        use_graphs = graphs is not None and self.backend.graph_safe
+        # With graphs, one more block than the pool hands out: the padding rows' (never
+        # allocated, so never read by a request).
+        self.kv_layers = allocate_kv_cache(self.layout, num_blocks + use_graphs, device)
         self.kv_caches = [kv_pair(layer) for layer in self.kv_layers]
+        if use_graphs:
+            self.graphs = DecodeGraphs(
+                self._forward,
+                graphs.max_batch,
+                -(-graphs.max_model_len // block_size),
+                graphs.max_model_len,
+                block_size,
+                num_blocks,
+                device,
+                graphs.make_graph,
+            )
+            self.graphs.capture()
+        elif graphs is not None:
+            log.info("decode steps run eagerly: backend %s is not graph-safe", self.backend.name)
+
+    def _forward(self, input_ids, positions, meta, layer_done=None) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, self.backend, meta, layer_done)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, layer_done=None) -> list[SampledToken]:
@@ -65,16 +107,18 @@ class ModelRunner:
             input_ids += s.token_ids
             positions += range(s.start_position, s.context_len)
             slots += self._slots(s.block_ids, s.start_position, s.context_len)
-        meta = self._metadata(out, slots)
         dev = self.device
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv_caches,
-            self.backend,
-            meta,
-            layer_done,
-        )
+        if self._replays(out, layer_done):
+            tables = [s.block_ids for s in out.decodes]
+            lens = [s.context_len for s in out.decodes]
+            hidden = self.graphs.run(input_ids, positions, slots, tables, lens)
+        else:
+            hidden = self._forward(
+                torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev),
+                self._metadata(out, slots),
+                layer_done,
+            )
         rows, samplers, offset = [], [], 0
         for s in scheduled:
             offset += s.num_tokens
@@ -105,6 +149,16 @@ class ModelRunner:
             )
             for s, tok, lp, top in zip(samplers, ids, lps, tops)
         ]
+
+    def _replays(self, out: SchedulerOutput, layer_done) -> bool:
+        """Whether this step replays a graph: decodes alone, within the largest bucket, and
+        nobody waiting on its layers one by one (a KV push streams them)."""
+        return (
+            self.graphs is not None
+            and layer_done is None
+            and not out.prefills
+            and self.graphs.bucket(len(out.decodes)) is not None
+        )
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: each (source, destination) pair, in every layer's K and V."""
@@ -146,6 +200,7 @@ class ModelRunner:
     def _metadata(self, out: SchedulerOutput, slots: list[int]) -> AttentionMetadata:
         dev = self.device
         decode_tables = decode_lens = None
+        host_lens = tuple(s.context_len for s in out.decodes)
         if out.decodes:
             width = max(len(s.block_ids) for s in out.decodes)
             # One tensor from padded lists, not one small tensor per sequence per step.
@@ -164,6 +219,8 @@ class ModelRunner:
             decode_block_tables=decode_tables,
             decode_context_lens=decode_lens,
             prefills=prefills,
+            decode_lens_host=host_lens,
+            max_decode_len=max(host_lens, default=0),
         )
 
 

@@ -63,6 +63,10 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [B, max_blocks], padded with block 0
     decode_context_lens: torch.Tensor | None  # [B] tokens in cache including this step's
     prefills: list[PrefillSlice]
+    # The decodes' context lengths as the host knows them (empty in a CUDA graph, whose
+    # lengths change at every replay), and a bound on them that holds for every replay.
+    decode_lens_host: tuple[int, ...] = ()
+    max_decode_len: int = 0
     # Derived once per step and shared by all layers (backends fill these lazily).
     decode_mask: torch.Tensor | None = None
     # Flash-attn varlen inputs, built only by that backend.
@@ -107,3 +111,10 @@ class AttentionBackend(ABC):
 
     def check_block_size(self, block_size: int) -> None:
         """Raise ValueError if this backend cannot address blocks of this size."""
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a step of decodes alone runs with no host synchronisation and no shape
+        that depends on the data (context lengths only on the device, `decode_lens_host`
+        unused), so that it can be captured in a CUDA graph and replayed."""
+        return False

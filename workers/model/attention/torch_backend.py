@@ -1,39 +1,70 @@
-"""Attention with torch's scaled_dot_product_attention over the paged cache (CPU, any device).
+"""Attention with torch over the paged cache, on the CPU and on CUDA without flash-attn.
 
-Decodes are batched. On the CPU a compiled kernel (workers/model/cpu_kernels.py) reads their
-blocks in place; otherwise their blocks are gathered into a padded `[B, KVH, L, D]` view for
-SDPA, with the query heads of each KV group in SDPA's query-length axis, so GQA needs no head
-repeat.
+Decodes are batched. Where a paged decode kernel is at hand they read their blocks in place:
+Tandem's compiled CPU kernel (workers/model/cpu_kernels.py), or on CUDA a Triton kernel
+(triton_decode.py). Both stop at each row's own length, and a row's result does not depend on
+the rest of the batch. Without one, each row's blocks are gathered for SDPA, in groups of
+rows of like length (a group is padded to at most twice its rows' blocks, never to the
+longest row of the batch), with the query heads of each KV group in SDPA's query-length axis,
+so GQA needs no head repeat.
 Prefill chunks run one sequence each. In bf16 on a CPU with AVX512-BF16 a compiled kernel
 attends straight off the paged cache, first chunk or later. Otherwise a chunk with no cached
 prefix attends to its own fresh K/V, causally, without touching the cache, and a later chunk
-reads its prefix from the cache; on the CPU it attends to the prefix and to itself in two
-mask-free passes, merged exactly by their log-sum-exps.
-With the kernels, a chunk's rows at the sequence's output positions (a replay's tokens, or a
-preempted sequence's, computed again) attend as single-token decodes, as they were first
-computed: the kernels' rows do not depend on the batch or the chunking, so each comes out
-the same bits.
+reads its prefix (only its own blocks) from the cache; on the CPU it attends to the prefix and
+to itself in two mask-free passes, merged exactly by their log-sum-exps.
+With a paged decode kernel, a chunk's rows at the sequence's output positions (a replay's
+tokens, or a preempted sequence's, computed again) attend as single-token decodes, as they
+were first computed: the kernel's rows do not depend on the batch or the chunking, so each
+comes out the same bits.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from workers.model.attention.base import AttentionBackend, AttentionMetadata, PrefillSlice
 
+log = logging.getLogger(__name__)
+
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self, device: torch.device, use_kernel: bool = True) -> None:
-        self.kernel = None
+        """use_kernel=False keeps decode attention on SDPA (for comparison)."""
+        self.kernel = None  # Tandem's CPU kernels: slot writes, bf16 prefill, paged decode
+        self.paged_decode = None  # (q, k_cache, v_cache, tables, lens, scale) -> out
+        self._in_place = paged_blocks_contiguous  # what the paged decode asks of a cache
         if use_kernel and device.type == "cpu":
             from workers.model.cpu_kernels import cpu_kernels
 
             self.kernel = cpu_kernels()
-        if self.kernel is not None:
-            self.name = "torch+cpu-kernel"
+            if self.kernel is not None:
+                self.paged_decode = self.kernel.paged_decode_attention
+                self.name = "torch+cpu-kernel"
+        elif use_kernel and device.type == "cuda":
+            from workers.model.attention import triton_decode
+
+            why = triton_decode.triton_unavailable()
+            if why is None:
+                self.paged_decode = triton_decode.paged_decode_attention
+                # Any block stride: it asks only that K and V be alike and dense in head_dim,
+                # as every layer's pair of views is.
+                self._in_place = lambda k_cache, v_cache: True
+                self.name = "torch+triton"
+            else:
+                log.warning(
+                    "no Triton (%s): decode attention gathers each row's blocks for SDPA, "
+                    "and decode steps are not captured in CUDA graphs",
+                    why,
+                )
+
+    @property
+    def graph_safe(self) -> bool:
+        return self.paged_decode is not None
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         group = q.shape[1] // k.shape[1]
@@ -51,10 +82,10 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, tables, lens, group, scale, meta)
-        # Output rows attend as decodes only where that makes them exact: with the kernel,
-        # which reads the cache in place. SDPA's fallback would gather a row's whole context
-        # for each of them.
-        exact = self.kernel is not None and paged_blocks_contiguous(k_cache, v_cache)
+        # Output rows attend as decodes only where that makes them exact: with a paged
+        # kernel, which reads the cache in place. The fallback would gather a row's whole
+        # context for each of them.
+        exact = self.paged_decode is not None and self._in_place(k_cache, v_cache)
         for p in meta.prefills:
             tail = p.out_rows if exact else 0
             start, mid, end = p.q_start, p.q_start + p.q_len - tail, p.q_start + p.q_len
@@ -64,8 +95,9 @@ class TorchAttentionBackend(AttentionBackend):
                     q[start:mid], k[start:mid], v[start:mid], k_cache, v_cache, part, scale
                 )
             if end > mid:  # output positions, attended as their decode steps were
+                rows_tables, rows_lens = p.output_part()
                 out[mid:end] = self._decode(
-                    q[mid:end], k_cache, v_cache, *p.output_part(), group, scale
+                    q[mid:end], k_cache, v_cache, rows_tables, rows_lens, group, scale
                 )
         return out
 
@@ -85,23 +117,22 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, q, k_cache, v_cache, tables, lens, group: int, scale: float, meta=None):
         """Single-token queries, row i over the keys `tables[i]` holds up to `lens[i]`; the
-        step's decode batch passes `meta`, which keeps the fallback's mask for every layer."""
-        if self.kernel is not None and paged_blocks_contiguous(k_cache, v_cache):
-            return self.kernel.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
-        batch, max_blocks = tables.shape
-        _, block_size, kvh, d = k_cache.shape
-        length = max_blocks * block_size
-        mask = None if meta is None else meta.decode_mask
-        if mask is None:
-            pos = torch.arange(length, device=lens.device)
-            mask = (pos[None, :] < lens[:, None]).view(batch, 1, 1, length)
-            if meta is not None:
-                meta.decode_mask = mask
-        keys = k_cache[tables].view(batch, length, kvh, d).transpose(1, 2)
-        values = v_cache[tables].view(batch, length, kvh, d).transpose(1, 2)
-        qg = q.view(batch, kvh, group, d)
-        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
-        return o.reshape(batch, kvh * group, d)
+        step's decode batch passes `meta`, whose host-side lengths group the fallback's rows."""
+        if self.paged_decode is not None and self._in_place(k_cache, v_cache):
+            return self.paged_decode(q, k_cache, v_cache, tables, lens, scale)
+        host = meta.decode_lens_host if meta is not None and meta.decode_lens_host else None
+        if host is None:
+            host = lens.tolist()
+        groups = _length_groups(host, k_cache.shape[1])
+        if len(groups) == 1:
+            return _sdpa_decode(q, k_cache, v_cache, tables[:, : groups[0][1]], lens, group, scale)
+        out = torch.empty_like(q)
+        for rows, width in groups:
+            idx = torch.tensor(rows, device=q.device)
+            out[idx] = _sdpa_decode(
+                q[idx], k_cache, v_cache, tables[idx, :width], lens[idx], group, scale
+            )
+        return out
 
     def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillSlice, scale: float):
         kvh, d = k.shape[1], k.shape[2]
@@ -153,3 +184,29 @@ def paged_blocks_contiguous(k_cache: torch.Tensor, v_cache: torch.Tensor) -> boo
         and k_cache.stride()[1:] == (kvh * d, d, 1)
         and k_cache.stride(0) >= block_size * kvh * d
     )
+
+
+def _length_groups(lens: list[int], block_size: int) -> list[tuple[list[int], int]]:
+    """Rows grouped by the power of two at or above their block count: (rows, blocks to
+    gather for each). A row's group gathers fewer than twice the blocks it needs."""
+    groups: dict[int, list[int]] = {}
+    for row, n in enumerate(lens):
+        need = -(-n // block_size)
+        groups.setdefault(1 << (need - 1).bit_length(), []).append(row)
+    return [(rows, width) for width, rows in sorted(groups.items())]
+
+
+def _sdpa_decode(q, k_cache, v_cache, tables, lens, group: int, scale: float):
+    """Rows of like length: their blocks gathered (`tables` cut to the group's width), keys
+    past each row's length masked."""
+    batch, width = tables.shape
+    _, block_size, kvh, d = k_cache.shape
+    length = width * block_size
+    mask = (torch.arange(length, device=lens.device)[None, :] < lens[:, None]).view(
+        batch, 1, 1, length
+    )
+    keys = k_cache[tables].view(batch, length, kvh, d).transpose(1, 2)
+    values = v_cache[tables].view(batch, length, kvh, d).transpose(1, 2)
+    qg = q.view(batch, kvh, group, d)
+    o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    return o.reshape(batch, kvh * group, d)

@@ -1,0 +1,217 @@
+"""The Triton paged decode kernel (workers/model/attention/triton_decode.py) against a torch
+reference read from the same paged cache.
+
+Without a GPU the kernel runs in triton's CPU interpreter, in a subprocess: TRITON_INTERPRET
+must be set before triton is imported, and this process may have imported it already. The
+subprocess runs every check and prints a JSON report, one entry per check. On a CUDA machine
+the same checks also run compiled, with a CUDA graph capture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+# (H, KVH, D): groups of 1, 3 (SmolLM2's 9 over 3), 4 and 16 (the kernel's whole padded
+# group); D=80 pads to 128 in the kernel.
+HEADS = [(2, 2, 64), (9, 3, 80), (8, 2, 64), (16, 1, 128)]
+# Per block size: one token, exactly one block, several whole blocks, a partial last block,
+# and past one 64-token tile.
+LENS = {1: [1, 3, 70], 4: [1, 4, 12, 70], 16: [1, 16, 48, 64, 70], 256: [1, 256, 300, 530]}
+# (atol, rtol). fp32: ieee dot, no tf32 rounding. bf16: the output is rounded to nearest bf16
+# (up to 2^-8 relative), and so is p before p @ v (the rest: found up to 2.0e-3).
+TOL = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (4e-3, 2**-8)}
+
+
+@dataclass
+class Case:
+    q: torch.Tensor  # [B, H, D], a view into a fused qkv row
+    k_cache: torch.Tensor  # layer[:, 0] of one [N, 2, bs, KVH, D] tensor
+    v_cache: torch.Tensor
+    tables: torch.Tensor  # [B, W]: scattered ids, padded columns hold other valid ids
+    lens: torch.Tensor
+    scale: float
+
+    def args(self, rows: slice = slice(None)) -> tuple:
+        return self.q[rows], self.k_cache, self.v_cache, self.tables[rows], self.lens[rows]
+
+
+def paged_case(dtype, block_size, heads, kv_heads, dim, lens, seed, device="cpu") -> Case:
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + 4
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.randint(num_blocks, (len(lens), max(need) + 2), generator=gen)
+    # NaN wherever no token was written: a kernel that reads past a row's length shows it.
+    layer = torch.full((num_blocks, 2, block_size, kv_heads, dim), float("nan"), dtype=dtype)
+    for row, (n, blocks) in enumerate(zip(lens, order[: sum(need)].split(need))):
+        tables[row, : len(blocks)] = blocks
+        pos = torch.arange(n)
+        kv = torch.randn(n, 2, kv_heads, dim, generator=gen)
+        layer[tables[row, pos // block_size], :, pos % block_size] = kv.to(dtype)
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    q = qkv.to(device)[:, : heads * dim].view(len(lens), heads, dim)
+    index = torch.int32 if block_size in (4, 256) else torch.int64  # both kinds of table
+    layer = layer.to(device)
+    return Case(
+        q,
+        layer[:, 0],
+        layer[:, 1],
+        tables.to(device, index),
+        torch.tensor(lens, dtype=index, device=device),
+        dim**-0.5,
+    )
+
+
+def reference(c: Case) -> torch.Tensor:
+    """Each row's keys gathered through its table up to its length, KV heads repeated, fp64."""
+    block_size, group = c.k_cache.shape[1], c.q.shape[1] // c.k_cache.shape[2]
+    rows = []
+    for row in range(c.q.shape[0]):
+        pos = torch.arange(int(c.lens[row]), device=c.q.device)
+        blocks = c.tables[row].long()[pos // block_size]
+        k = c.k_cache[blocks, pos % block_size].double().repeat_interleave(group, 1)
+        v = c.v_cache[blocks, pos % block_size].double().repeat_interleave(group, 1)
+        p = (torch.einsum("hd,lhd->hl", c.q[row].double(), k) * c.scale).softmax(-1)
+        rows.append(torch.einsum("hl,lhd->hd", p, v))
+    return torch.stack(rows)
+
+
+def excess_error(got: torch.Tensor, c: Case) -> float:
+    """How far `got` strays from the reference past its dtype's tolerance (<= 0 passes)."""
+    atol, rtol = TOL[got.dtype]
+    want = reference(c)
+    return ((got.double() - want).abs() - rtol * want.abs()).max().item() - atol
+
+
+def check_reference(device: str) -> None:
+    from workers.model.attention.triton_decode import paged_decode_attention
+
+    for dtype in TOL:
+        for i, (block_size, lens) in enumerate(LENS.items()):
+            for j, (heads, kv_heads, dim) in enumerate(HEADS):
+                c = paged_case(dtype, block_size, heads, kv_heads, dim, lens, 10 * i + j, device)
+                assert not c.q.is_contiguous()
+                got = paged_decode_attention(*c.args(), c.scale)
+                assert got.dtype == dtype and got.shape == c.q.shape
+                err = excess_error(got, c)
+                what = f"{dtype} block_size={block_size} H={heads} KVH={kv_heads} D={dim}"
+                assert err <= 0, f"{what}: error {err:.3g} past the tolerance {TOL[dtype]}"
+
+
+def check_batch_invariance(device: str) -> None:
+    """A row alone, its table cut to its own blocks, gives the bits it gives in a batch."""
+    from workers.model.attention.triton_decode import paged_decode_attention
+
+    lens = [70, 1, 33, 16, 5, 64, 17, 2]
+    for dtype, block_size, (heads, kv_heads, dim) in [
+        (torch.bfloat16, 16, HEADS[1]),
+        (torch.float32, 4, HEADS[2]),
+    ]:
+        c = paged_case(dtype, block_size, heads, kv_heads, dim, lens, 7, device)
+        batch = paged_decode_attention(*c.args(), c.scale)
+        for row, n in enumerate(lens):
+            q, k_cache, v_cache, tables, row_lens = c.args(slice(row, row + 1))
+            tables = tables[:, : -(-n // block_size)]
+            alone = paged_decode_attention(q, k_cache, v_cache, tables, row_lens, c.scale)
+            assert torch.equal(alone, batch[row : row + 1]), f"{dtype}: row {row} differs alone"
+
+
+def check_out_in_place(device: str) -> None:
+    from workers.model.attention.triton_decode import paged_decode_attention
+
+    c = paged_case(torch.bfloat16, 16, *HEADS[1], LENS[16], 3, device)
+    want = paged_decode_attention(*c.args(), c.scale)
+    batch, heads, dim = want.shape
+    backing = torch.full((batch, heads + 1, dim), 7.0, dtype=want.dtype, device=device)
+    out = backing[:, 1:]  # a strided view: the head before it must stay put
+    got = paged_decode_attention(*c.args(), c.scale, out=out)
+    assert got is out and torch.equal(out, want), "out= was not written in place"
+    assert (backing[:, 0] == 7).all(), "a write outside out="
+
+
+CHECKS = {
+    "reference": check_reference,
+    "batch_invariance": check_batch_invariance,
+    "out_in_place": check_out_in_place,
+}
+
+
+def run_checks(device: str) -> dict[str, str]:
+    """Every check, run on `device`: "ok" or the failure, by name."""
+    from workers.model.attention.triton_decode import triton_unavailable
+
+    reason = triton_unavailable()
+    if reason is not None:
+        return {"unavailable": reason}
+    report = {}
+    for name, check in CHECKS.items():
+        try:
+            check(device)
+            report[name] = "ok"
+        except AssertionError as e:
+            report[name] = str(e) or "assertion failed"
+    return report
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, str]:
+    pytest.importorskip("triton", reason="triton is not installed: no kernel to test")
+    code = (
+        "import json, torch; torch.set_num_threads(2)\n"
+        "from tests.unit.test_triton_decode import run_checks\n"
+        "print(json.dumps(run_checks('cpu')))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "unavailable" in report:
+        pytest.skip(f"triton cannot run here: {report['unavailable']}")
+    return report
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_interpreted(interpreted: dict[str, str], check: str) -> None:
+    assert interpreted[check] == "ok", interpreted[check]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernel: needs a CUDA GPU")
+def test_compiled_on_cuda() -> None:
+    pytest.importorskip("triton", reason="triton is not installed: no kernel to test")
+    assert run_checks("cuda") == dict.fromkeys(CHECKS, "ok")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: needs a CUDA GPU")
+def test_cuda_graph_replay_follows_new_lengths() -> None:
+    """Captured once, replayed after the lengths and queries change in place on the device."""
+    pytest.importorskip("triton", reason="triton is not installed: no kernel to test")
+    from workers.model.attention.triton_decode import paged_decode_attention
+
+    c = paged_case(torch.bfloat16, 16, *HEADS[1], [70, 5, 33], 11, "cuda")
+    out = torch.empty(c.q.shape, dtype=c.q.dtype, device="cuda")
+    paged_decode_attention(*c.args(), c.scale, out=out)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention(*c.args(), c.scale, out=out)
+    c.lens.copy_(torch.tensor([64, 17, 1]))
+    c.q.copy_(torch.randn(c.q.shape, device="cuda").to(c.q.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    err = excess_error(out, c)
+    assert err <= 0, f"replay: error {err:.3g} past the tolerance"

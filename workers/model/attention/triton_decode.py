@@ -1,0 +1,162 @@
+"""Paged decode attention as a Triton kernel: one query token per row against the KV blocks
+its block table names, for CUDA machines without flash-attn.
+
+The contract is the CPU kernel's (csrc/paged_attention_cpu.cpp `paged_decode_attention`) and
+`TorchAttentionBackend._decode`'s. One program per (row, KV head) walks its own row's length,
+read from `context_lens` on the device: no host sync, no data-dependent shape, so the launch
+can be captured in a CUDA graph; and no tile size or loop bound depends on the batch, so a
+row comes out the same bits whatever shares its batch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:  # this module must import without triton; triton_unavailable() says why it is missing
+    import triton
+    import triton.language as tl
+
+    _IMPORT_ERROR = None
+except Exception as e:  # a broken install raises more than ImportError
+    triton = tl = None
+    _IMPORT_ERROR = "triton is not installed" if isinstance(e, ImportError) else f"triton: {e}"
+
+GROUP_PAD = 16  # tl.dot wants M >= 16: a query group is padded to 16 rows (the kernel's 16)
+MAX_HEAD_DIM = 256
+
+
+def _jit(fn):
+    return fn if triton is None else triton.jit(fn)
+
+
+def _interpreting() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_unavailable() -> str | None:
+    """None when the kernel can run here, else a short reason."""
+    if triton is None:
+        return _IMPORT_ERROR
+    if not _interpreting() and not torch.cuda.is_available():
+        return "no CUDA device for triton (TRITON_INTERPRET=1 runs it on the CPU)"
+    return None
+
+
+@_jit
+def _as_operand(x, DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """fp32 `x` rounded to DTYPE (kept in fp32 under UPCAST, see paged_decode_attention)."""
+    if not UPCAST:
+        y = x.to(DTYPE)
+    elif DTYPE == tl.bfloat16:  # round to nearest even by hand: the interpreter's cast truncates
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        y = bits.to(tl.float32, bitcast=True)
+    else:
+        y = x.to(DTYPE).to(tl.float32)
+    return y  # one return: the compiler checks every return's type, even in pruned branches
+
+
+@_jit
+def _decode_kernel(
+    q, k_cache, v_cache, tables, lens, out, scale_log2,
+    q_sb, q_sh, c_sn, c_st, c_sh, t_sb, o_sb, o_sh,
+    GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIM_P: tl.constexpr,
+    TILE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    row, kvh = tl.program_id(0), tl.program_id(1)
+    g, d, offs = tl.arange(0, 16), tl.arange(0, DIM_P), tl.arange(0, TILE)
+    d_ok = d < DIM
+    head = kvh * GROUP + g
+    q_ok = (g < GROUP)[:, None] & d_ok[None, :]
+    qg = tl.load(q + row * q_sb + head[:, None] * q_sh + d[None, :], mask=q_ok, other=0.0)
+    if UPCAST:
+        qg = qg.to(tl.float32)
+    dtype = out.dtype.element_ty
+    m_i = tl.full([16], float("-inf"), tl.float32)
+    l_i = tl.zeros([16], tl.float32)
+    acc = tl.zeros([16, DIM_P], tl.float32)
+    length = tl.load(lens + row)
+    for start in range(0, length, TILE):
+        # Each token goes through the table: a tile may span small blocks or part of a big one.
+        pos = start + offs
+        live = pos < length
+        block = tl.load(tables + row * t_sb + pos // BLOCK_SIZE, mask=live, other=0)
+        token = block.to(tl.int64) * c_sn + (pos % BLOCK_SIZE) * c_st + kvh * c_sh
+        kv_ok = live[:, None] & d_ok[None, :]
+        # Masked loads, not masked scores alone: a slot past the length may hold NaN.
+        k = tl.load(k_cache + token[:, None] + d[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(v_cache + token[:, None] + d[None, :], mask=kv_ok, other=0.0)
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(qg, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.where(live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has a live position
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = _as_operand(p, dtype, UPCAST)
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    o = _as_operand(acc / l_i[:, None], dtype, UPCAST)
+    tl.store(out + row * o_sb + head[:, None] * o_sh + d[None, :], o.to(dtype), mask=q_ok)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Row i of q [B, H, D] attends to the first context_lens[i] tokens that block_tables[i]
+    addresses in k_cache/v_cache [num_blocks, block_size, KVH, D]; query head h reads KV
+    head h // (H // KVH). Returns [B, H, D] in q's dtype, written into `out` when given."""
+    if triton is None:  # callers ask triton_unavailable() first; this is the hot path
+        raise RuntimeError(f"triton paged decode attention: {_IMPORT_ERROR}")
+    batch, heads, dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    if heads != group * kv_heads or group > GROUP_PAD:
+        raise ValueError(f"{heads} query heads over {kv_heads} KV heads: need a group of 1..16")
+    if k_cache.shape[-1] != dim or dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {dim} (cache {k_cache.shape[-1]}): need equal, <= 256")
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError("k_cache and v_cache must be alike: shapes and strides")
+    if k_cache.stride(-1) != 1 or q.dtype != k_cache.dtype:
+        raise ValueError("the cache must be contiguous in head_dim, in q's dtype")
+    if block_tables.shape[0] != batch or context_lens.shape != (batch,):
+        raise ValueError("block_tables must be [B, W] and context_lens [B]")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(batch, heads, dim, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError("out must be like q: [B, H, D], its dtype, contiguous in D")
+    if batch == 0:
+        return out
+    dim_p = max(16, triton.next_power_of_2(dim))
+    # 64 tokens a tile while a token's K row is at most 256 bytes (bf16 D<=128, fp32 D<=64),
+    # else 32, so K and V tiles stay small. From the shapes alone: batch-invariant.
+    tile = 64 if dim_p * q.element_size() <= 256 else 32
+    # 8 warps for tiles over 16 KiB (fp32, D>128), which take 234 registers a thread at 4.
+    warps = 4 if tile * dim_p * q.element_size() <= 16384 else 8
+    # The interpreter multiplies bfloat16 dot operands as raw bits (triton-lang/triton#11584):
+    # there, operands go in as fp32 holding the values a GPU would feed its tensor cores.
+    upcast = _interpreting()
+    _decode_kernel[(batch, kv_heads)](
+        q, k_cache, v_cache, block_tables, context_lens, out, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, DIM=dim, BLOCK_SIZE=block_size, DIM_P=dim_p, TILE=tile,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=upcast,
+        num_warps=warps, enable_fp_fusion=True,  # fusion pinned: 3.10 changes the default
+    )  # fmt: skip
+    return out
