@@ -3,6 +3,8 @@
 
 Invariants: every call takes a timeout and raises TransferError when it passes; after any
 error the channel is broken for good (close it, and open a new one for the next transfer).
+On a GPU a channel has a stream of its own (kv_transfer/streams.py): send_kv and recv_kv queue
+their work there, and meet the engine's stream only at events.
 """
 
 from __future__ import annotations
@@ -30,10 +32,13 @@ from kv_transfer.protocol import (
     runs,
     trailer,
 )
+from kv_transfer.streams import NoStreams, StreamOps
 
 
 class KVChannel(ABC):
     device = torch.device("cpu")  # where the protocol's own small tensors must live (NCCL: GPU)
+    streams: StreamOps = NoStreams()
+    stream: object | None = None  # the stream its transfers run on (None: the current one)
 
     @abstractmethod
     def post_send(self, tensor: torch.Tensor) -> object:
@@ -93,14 +98,23 @@ class StagingBuffers:
 class PagedBlocks:
     """One side's blocks for a transfer: their ids, in the order of the request's positions,
     and `layer(i)`, that layer's cache, `layout.layer_shape(cache_blocks)` (a block's K and V
-    side by side). On the sender `layer(i)` may block until the model has written layer i,
-    and `gather(cache, ids, out)` copies blocks to be staged out of it (index_select when
-    None). On the receiver, `scatter(cache, ids, blocks)` writes staged blocks into place."""
+    side by side).
+
+    Sender: `layer(i)` may block until the model has queued layer i, and `ready(i)`, called
+    next, gives the event after which layer i holds its KV (the transfer's stream waits on
+    it); `gather(cache, ids, out)` copies blocks to be staged out of it (index_select when
+    None). Receiver: the transfer's stream waits on `writable` (the event after which the
+    blocks' last reader is done) before anything lands; `scatter(cache, ids, blocks)` writes
+    staged blocks into place; once all is in, recv_kv sets `landed`, the event that whoever
+    reads the blocks next waits on (None on the CPU)."""
 
     block_ids: list[int]
     layer: Callable[[int], torch.Tensor]
     scatter: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
     gather: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+    ready: Callable[[int], object | None] | None = None
+    writable: object | None = None
+    landed: object | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +190,12 @@ def send_kv(
     trailer: (True, payload) to deliver the payload with the KV, or (False, reason) to abort
     the transfer (the receiver drops it; TransferAborted is raised here too). Without it:
     (True, b"")."""
+    channel.streams.bind()
+    with channel.streams.using(channel.stream):
+        return _send_kv(channel, desc, source, timeout_s, verdict, staging)
+
+
+def _send_kv(channel, desc, source, timeout_s, verdict, staging) -> TransferPlan:
     dev, n = channel.device, desc.num_blocks
     if len(source.block_ids) != n:
         raise ValueError(f"{len(source.block_ids)} blocks given, the header says {n}")
@@ -193,6 +213,8 @@ def send_kv(
     handles = []
     for i in range(desc.layout.num_layers):
         cache = source.layer(i)
+        if source.ready is not None:
+            channel.streams.wait(source.ready(i))
         for blocks, index in placed.tensors(cache, bufs[i] if bufs else None):
             if index is not None:  # staged: gathered out of the cache first
                 gather(cache, index, blocks)
@@ -241,6 +263,12 @@ def recv_kv(
     and is scattered into its blocks as soon as its layer is in. Without a target nothing is
     refused and the layers land in `staging` (valid until the next transfer). `on_layer(i)`
     is called as each layer is complete."""
+    channel.streams.bind()
+    with channel.streams.using(channel.stream):
+        return _recv_kv(channel, layout, timeout_s, device, target, staging, on_layer)
+
+
+def _recv_kv(channel, layout, timeout_s, device, target, staging, on_layer):
     device = torch.device(device)
     header = empty_header().to(device)
     channel.recv([header], timeout_s)
@@ -279,6 +307,8 @@ def _recv_payload(channel, layout, timeout_s, device, desc, target, staging, on_
         if len(side.block_ids) < n:
             raise ValueError(f"{len(side.block_ids)} target blocks for {n} blocks of KV")
         ids = side.block_ids[:n]
+    if side is not None:  # nothing lands before the blocks' last reader is done
+        channel.streams.wait(side.writable)
     theirs = torch.zeros(n + 1, dtype=torch.int64, device=device)
     channel.recv([theirs], timeout_s)
     theirs = decode_runs(theirs.cpu(), n, "sender's runs")
@@ -306,6 +336,8 @@ def _recv_payload(channel, layout, timeout_s, device, desc, target, staging, on_
                 _scatter(side, cache, index, blocks)
         if ok and on_layer is not None:
             on_layer(i)
+    if side is not None:
+        side.landed = channel.streams.record()
     _wait_posted(channel, head_handle, timeout_s, posted)
     status, size = head.tolist()
     if status not in (TRAILER_OK, TRAILER_ABORTED) or not 0 <= size <= TRAILER_MAX_BYTES:

@@ -1,25 +1,61 @@
 """The torch.distributed channel: a two-rank process group per prefill-decode pair, gloo for
-CPU tensors and NCCL for CUDA tensors, formed lazily through a TCPStore rendezvous.
+CPU tensors and NCCL for CUDA tensors, formed through a TCPStore rendezvous.
 
 There is no global init_process_group: pools change size, so each pair builds its own group
-on first use. The decode worker hosts one TCPStore; each pair, and each rebuild of it, takes a
-fresh key prefix (`pair/<prefill>/<generation>`), so a rebuilt group never meets a stale one.
-Every rendezvous, send and recv has a timeout; a group that failed once is shut down and
-replaced by the next generation.
+when it first meets. The decode worker hosts one TCPStore; each pair, and each rebuild of it,
+takes a fresh key prefix (`pair/<prefill>/<generation>`), so a rebuilt group never meets a
+stale one. Every rendezvous, send and recv has a timeout; a group that failed once is shut
+down and replaced by the next generation.
+
+NCCL, made to fail like gloo does, in the caller and never by killing the process:
+- the communicator is created in the handshake, not at the first transfer: both ranks check
+  in through the store, then exchange one element, all within the timeout; init is
+  non-blocking (`config.blocking = 0`), so a rank whose peer never arrives gives up at
+  TORCH_NCCL_NONBLOCKING_TIMEOUT instead of waiting inside NCCL for ever;
+- blocking wait: each wait holds the calling thread until its operation completes or its
+  timeout passes, then aborts the communicator and raises there. There is then no watchdog
+  thread, and so nothing that tears the process down when a peer dies; asynchronous error
+  handling 2 (abort the communicator, keep the process), with the heartbeat monitor and the
+  dump-then-exit path off, stands behind it should blocking wait ever be switched off;
+- the group's own timeout is longer than any wait's, so a wait's timeout always fires first;
+- torch >= 2.6: before it, `Work.wait(timeout)` ignored the timeout.
+Every operation runs on the pair's own CUDA stream (kv_transfer/streams.py).
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import os
 
 import torch
 import torch.distributed as dist
 
 from kv_transfer.channel import KVChannel
 from kv_transfer.protocol import TransferError
+from kv_transfer.streams import device_streams
 
 log = logging.getLogger(__name__)
+
+# Read by torch when a process group is built (TORCH_NCCL_NONBLOCKING_TIMEOUT when the first
+# communicator is), so set before the first NCCL group of the process.
+NCCL_ENV = {
+    "TORCH_NCCL_BLOCKING_WAIT": "1",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+}
+NCCL_MIN_TORCH = (2, 6)
+
+
+def nccl_environment(timeout_s: float) -> dict[str, str]:
+    """The environment an NCCL pair group needs, for a worker whose waits last timeout_s."""
+    return {**NCCL_ENV, "TORCH_NCCL_NONBLOCKING_TIMEOUT": str(max(1, round(timeout_s)))}
+
+
+def group_timeout(timeout_s: float) -> datetime.timedelta:
+    """The process group's own timeout: past every wait's, so a wait's fires first."""
+    return datetime.timedelta(seconds=2 * timeout_s + 30)
 
 
 def store_server(host: str) -> dist.TCPStore:
@@ -53,20 +89,37 @@ class PairGroup(KVChannel):
         self.prefix, self.rank, self.device = prefix, rank, device
         self.peer = 1 - rank
         self._closed = False
+        self.pg = None
+        self.streams = device_streams(device)
+        self.streams.bind()
+        self.stream = self.streams.new_stream()
         timeout = datetime.timedelta(seconds=timeout_s)
         pstore = dist.PrefixStore(prefix, store)
         try:
             if device.type == "cuda":
-                self.pg = _nccl_group(pstore, rank, timeout)
+                self.pg = _nccl_group(pstore, rank, timeout_s)
+                self._connect(pstore, timeout_s)
             else:
                 opts = dist.ProcessGroupGloo._Options()
                 opts._timeout = timeout
                 opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
                 self.pg = dist.ProcessGroupGloo(pstore, rank, 2, opts)
         except Exception as e:
+            self.close()
             raise TransferError(
                 f"pair group {prefix} did not form within {timeout_s:.0f} s: {e}"
             ) from e
+
+    def _connect(self, store: dist.Store, timeout_s: float) -> None:
+        """NCCL's communicator, made now rather than by the first transfer: both ranks check
+        in (a peer that never comes is a timeout here, not a hang in NCCL's init), then one
+        element goes from rank 0 to rank 1, which creates the communicator sends use."""
+        store.set(f"joined/{self.rank}", b"1")
+        store.wait([f"joined/{self.peer}"], datetime.timedelta(seconds=timeout_s))
+        with self.streams.using(self.stream):
+            probe = torch.zeros(1, device=self.device)
+            op = self.pg.send if self.rank == 0 else self.pg.recv
+            self.wait(op([probe], self.peer, 0), timeout_s)
 
     @property
     def backend(self) -> str:
@@ -82,6 +135,8 @@ class PairGroup(KVChannel):
         try:
             if not handle.wait(datetime.timedelta(seconds=timeout_s)):
                 raise TimeoutError("did not complete")
+            if self._closed:  # closed meanwhile: an aborted operation may report success
+                raise TransferError("the pair was closed while it ran")
         except Exception as e:
             self.close()
             raise TransferError(f"transfer on pair {self.prefix} failed: {e}") from e
@@ -89,12 +144,17 @@ class PairGroup(KVChannel):
     def settle(self, handles, timeout_s):
         """Closing a gloo group does not cancel its posted receives: a peer still sending
         completes them. Each is waited for here: it lands, or its wait fails, and a failed
-        wait (a timeout included) breaks the connection, after which nothing lands at all."""
+        wait (a timeout included) breaks the connection, after which nothing lands at all.
+        NCCL's abort ends them; what the pair's stream still holds must run out too.
+        TransferError if it does not within timeout_s (the buffers may still be written)."""
+        self.streams.bind()
         for h in handles:
             try:
                 h.wait(datetime.timedelta(seconds=timeout_s))
             except Exception:  # over: the connection is gone
                 log.debug("pair %s: an abandoned receive ended", self.prefix, exc_info=True)
+        if not self.streams.drain(self.stream, timeout_s):
+            raise TransferError(f"pair {self.prefix}: its stream still runs {timeout_s:.0f} s on")
 
     def _post(self, fn, what: str):
         if self._closed:
@@ -110,15 +170,24 @@ class PairGroup(KVChannel):
             return
         self._closed = True
         try:
-            self.pg.abort() if hasattr(self.pg, "abort") else None
+            if self.pg is not None and hasattr(self.pg, "abort"):
+                self.pg.abort()  # NCCL: ends operations in flight; never shutdown(), which waits
         except Exception:  # the group is being dropped either way
             log.debug("abort of pair group %s raised", self.prefix, exc_info=True)
         self.pg = None  # receives already posted may still complete: see settle
 
 
-def _nccl_group(store, rank: int, timeout: datetime.timedelta):
+def _nccl_group(store: dist.Store, rank: int, timeout_s: float):
     if not dist.is_nccl_available():
         raise TransferError("CUDA KV transfer needs NCCL, which this torch build lacks")
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if version < NCCL_MIN_TORCH:
+        raise TransferError(
+            f"NCCL KV transfer needs torch >= 2.6 (this is {torch.__version__}): before it, "
+            "a wait's timeout is ignored and a dead peer hangs the worker"
+        )
+    os.environ.update(nccl_environment(timeout_s))
     opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
+    opts._timeout = group_timeout(timeout_s)
+    opts.config.blocking = 0  # non-blocking init: given up on at the timeout above
     return dist.ProcessGroupNCCL(store, rank, 2, opts)

@@ -63,6 +63,9 @@ class _Held:
     attempt: int
     offset: int = 0  # output index of the next token it emits
     reserved_until: float | None = None  # while only reserved
+    # While reserved: the engine stream's event after which its blocks may be written (a
+    # step still running may read them for the request that held them last; None on CPU).
+    writable: object | None = None
     # n > 1, while reserved: choices cancelled before the KV landed (not forked when it does)
     dropped: set[int] = field(default_factory=set)
 
@@ -141,7 +144,9 @@ class DecodeWorker(WorkerBase):
         n = self.engine.reserve(rid, num_tokens)
         if n is None:
             return None
-        self._held[rid] = _Held(attempt, reserved_until=time.monotonic() + ttl_s)
+        self._held[rid] = _Held(
+            attempt, reserved_until=time.monotonic() + ttl_s, writable=self.streams.record()
+        )
         self.relay.follow(rid, router_id)
         return Reservation(rid, attempt, n)
 
@@ -180,17 +185,24 @@ class DecodeWorker(WorkerBase):
         try:
             if current is None or current[0] != generation:
                 raise TransferError(f"no pair group {prefill}/{generation} on {self.name}")
-            blocks = self.on_loop(self._reserved_blocks, rid, spec.attempt)
-            if blocks is None:
+            reserved = self.on_loop(self._reserved_blocks, rid, spec.attempt)
+            if reserved is None:
                 raise TransferError(f"{rid} (attempt {spec.attempt}) has no reservation here")
+            blocks, writable = reserved
             t0 = time.perf_counter()
+            side = None
 
             def target(d):
+                nonlocal side
                 if d.request_id != rid or d.num_blocks > len(blocks):
                     return None
-                return PagedBlocks(
-                    blocks[: d.num_blocks], self.engine.kv_cache_layer, self.engine.write_kv_blocks
+                side = PagedBlocks(
+                    blocks[: d.num_blocks],
+                    self.engine.kv_cache_layer,
+                    self.engine.write_kv_blocks,
+                    writable=writable,
                 )
+                return side
 
             # The KV lands in the reserved blocks, in place where they lie in runs; nothing
             # reads reserved blocks until the request is admitted below.
@@ -211,7 +223,7 @@ class DecodeWorker(WorkerBase):
             if cancelled is not None:
                 self.on_loop(self._cancel, rid, *cancelled)
                 return PushResult(rid, True, seconds)
-            self.on_loop(self._admit, spec, first)
+            self.on_loop(self._admit, spec, first, side.landed)
             return PushResult(rid, True, seconds)
         except Exception as e:
             message = f"KV transfer {prefill} -> {self.name} failed: {e}"
@@ -242,7 +254,11 @@ class DecodeWorker(WorkerBase):
             return
 
         def release() -> None:
-            group.settle(pending, self.transfer_timeout_s)
+            try:
+                group.settle(pending, self.transfer_timeout_s)
+            except TransferError as e:  # still being written: held for good, not reused
+                log.error("request %s: %d KV blocks stay held: %s", rid, len(blocks), e)
+                return
             self.loop.call(self.engine.release_kv, blocks)
             log.info("request %s: %d quarantined KV blocks released", rid, len(blocks))
 
@@ -258,12 +274,13 @@ class DecodeWorker(WorkerBase):
                 return
         self.on_loop(self._fail, request_id, attempt, message)
 
-    def _reserved_blocks(self, rid: str, attempt: int) -> list[int] | None:
+    def _reserved_blocks(self, rid: str, attempt: int) -> tuple[list[int], object] | None:
+        """Where this attempt's KV goes, and the event to wait on before writing there."""
         held = self._held.get(rid)
         if held is None or held.attempt != attempt or held.reserved_until is None:
             return None
         held.reserved_until = float("inf")  # the KV is arriving: no longer expires
-        return self.engine.reserved_blocks(rid)
+        return self.engine.reserved_blocks(rid), held.writable
 
     def _done_receiving(
         self, rid: str
@@ -277,11 +294,14 @@ class DecodeWorker(WorkerBase):
             return cancelled, self._fail_after_receive.pop(rid, None)
 
     # -- on the loop thread -----------------------------------------------------------------
-    def _admit(self, spec: RequestSpec, first: tuple[FirstToken, ...]) -> None:
+    def _admit(self, spec: RequestSpec, first: tuple[FirstToken, ...], landed=None) -> None:
+        """`landed`: the transfer stream's event after which the KV is in its blocks; the
+        engine's stream waits on it before any step reads them."""
         rid = spec.request_id
         held = self._held.get(rid)
         if held is None or held.attempt != spec.attempt or held.reserved_until is None:
             return  # cancelled or superseded while the KV was in flight
+        self.streams.wait(landed)
         if len(first) != spec.choices:
             self._fail(rid, spec.attempt, f"{rid}: {len(first)} first tokens, not {spec.choices}")
             return

@@ -36,6 +36,7 @@ import torch
 from kv_transfer.channel import PagedBlocks, StagingBuffers, TransferPlan, send_kv
 from kv_transfer.layout import KVLayout
 from kv_transfer.protocol import TransferAborted, TransferDescriptor, TransferError
+from kv_transfer.streams import StreamOps, device_streams
 from kv_transfer.torch_dist import PairGroup, store_client
 from workers.messages import DecodeEndpoint, FirstToken, PushResult, RequestSpec, encode_first
 
@@ -44,35 +45,41 @@ log = logging.getLogger(__name__)
 
 class LayerProgress:
     """How far one step's forward has got: the model calls `mark(i)` (on the engine's loop
-    thread) once layer i has written its KV, and the worker marks the last layer when the
-    step ends, whether it failed or not; senders `wait` for the layer they need next. On CUDA
-    each mark records an event, and the wait syncs on it, not on the whole step."""
+    thread) once layer i has queued its KV writes, and the worker marks the last layer when
+    the step ends, whether it failed or not; senders `wait` for the layer they need next. On
+    CUDA each mark records an event on the engine's stream (`event(i)`): the transfer's stream
+    waits on that one alone, not on the whole step, and the host never does."""
 
-    def __init__(self, num_layers: int, device: torch.device, complete: bool = False) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        device: torch.device,
+        complete: bool = False,
+        streams: StreamOps | None = None,
+    ) -> None:
         self.num_layers = num_layers
-        self._cuda = device.type == "cuda"
+        self.streams = streams or device_streams(device)
         self._cond = threading.Condition()
         self._done = num_layers if complete else 0
         self._events: list = []
 
     def mark(self, layer: int) -> None:
-        event = None
-        if self._cuda:
-            event = torch.cuda.Event()
-            event.record()
+        event = self.streams.record()
         with self._cond:
             self._events += [event] * (layer + 1 - len(self._events))  # layers up to this one
             self._done = layer + 1
             self._cond.notify_all()
 
     def wait(self, layer: int, timeout_s: float) -> None:
-        """Until layer `layer` has written its KV; RuntimeError past timeout_s."""
+        """Until layer `layer` has queued its KV writes; RuntimeError past timeout_s."""
         with self._cond:
             if not self._cond.wait_for(lambda: self._done > layer, timeout_s):
                 raise RuntimeError(f"layer {layer} not computed within {timeout_s:.0f} s")
-            event = self._events[layer] if layer < len(self._events) else None
-        if event is not None:
-            event.synchronize()
+
+    def event(self, layer: int):
+        """The event after which layer `layer`'s KV is written (None: already, or the CPU)."""
+        with self._cond:
+            return self._events[layer] if layer < len(self._events) else None
 
 
 @dataclass
@@ -195,7 +202,12 @@ class KVSender:
             push.plan = send_kv(
                 self.group,
                 push.desc,
-                PagedBlocks(push.blocks, lambda i: self._layer(push, i), gather=self.read_blocks),
+                PagedBlocks(
+                    push.blocks,
+                    lambda i: self._layer(push, i),
+                    gather=self.read_blocks,
+                    ready=push.progress.event,
+                ),
                 self.timeout_s,
                 verdict=lambda: self._verdict(push),
                 staging=self.staging,

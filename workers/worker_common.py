@@ -9,6 +9,7 @@ import socket
 import threading
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from kv_transfer.streams import device_streams
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.engine_loop import EngineLoop
@@ -66,6 +67,7 @@ class WorkerBase:
             self.engine = self.loop.engine
             self.layout = self.engine.kv_layout
             self.device = self.engine.device
+            self.streams = device_streams(self.device)  # for the loop thread's events
             self.transfer_host = transfer_host or node_address()
             self.transfer_timeout_s = transfer_timeout_s
             self.draining = False
