@@ -5,6 +5,7 @@ tandem router --ray-address ADDR --redis-url URL [--port P]
 tandem generate --offline [--model M] [--dtype D] [--requests FILE.jsonl] [--json] [PROMPT]
 tandem generate --address HOST:PORT[,HOST:PORT...] [--requests FILE.jsonl] [--json] [PROMPT]
 tandem status --address HOST:PORT [--json]
+tandem doctor [--config F] [cluster flags] [--json]
 
 Only `up`, `router` and `generate --offline` load torch; the rest are thin gRPC clients.
 """
@@ -132,6 +133,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 1 if any(c.finish_reason == "error" for c in results) else 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from cluster.doctor import cmd_doctor
+
+    return cmd_doctor(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -162,6 +169,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_up_parser(sub)
     add_router_parser(sub)
+    doc = sub.add_parser(
+        "doctor",
+        help="what this machine offers and what the cluster config needs of it",
+        description="Says what is here (CUDA and its GPUs, NCCL, flash-attn and its page-size "
+        "rule, Triton, the CPU kernels, Redis, Ray and its auth mode), what the config needs, "
+        "and what is missing (exit status 1). Starts nothing.",
+    )
+    doc.add_argument("--config", help="YAML or TOML file of cluster config fields")
+    doc.add_argument("--json", action="store_true")
+    from cluster.config import add_flags
+
+    add_flags(doc)
+    doc.set_defaults(func=_doctor)
     st = sub.add_parser("status", help="per-worker state of a running cluster")
     st.add_argument("--address", required=True)
     st.add_argument("--json", action="store_true")

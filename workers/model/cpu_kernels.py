@@ -97,6 +97,18 @@ def _cpu_tag() -> str:
     return hashlib.sha1("\n".join(sorted(set(lines))).encode()).hexdigest()[:10]
 
 
+def _module_name() -> str:
+    return f"tandem_cpu_kernels_v12_{_cpu_tag()}"
+
+
+def built() -> bool:
+    """Whether this machine's build is in torch's extension cache, without building it."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    folder = Path(_get_build_directory(_module_name(), verbose=False))
+    return (folder / f"{_module_name()}.so").is_file()
+
+
 def switched_off() -> bool:
     """TANDEM_CPU_KERNELS=0: no kernels and no weight packing, torch ops alone."""
     return os.environ.get("TANDEM_CPU_KERNELS", "1") == "0"
@@ -126,7 +138,7 @@ def _build():
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(
-            name=f"tandem_cpu_kernels_v12_{_cpu_tag()}",
+            name=_module_name(),
             cpp_sources=[src.read_text() for src in _SOURCES] + [_bindings()],
             extra_include_paths=[str(_CSRC)],
             extra_cflags=_CFLAGS,
