@@ -26,6 +26,17 @@ if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
+# flash-attn, on request (TANDEM_FLASH_ATTN=1), with a CUDA build of torch: built against the
+# torch installed above (its setup imports torch: no build isolation). It fetches a prebuilt
+# wheel matching this torch, CUDA and Python where its release has one, else compiles (needs
+# nvcc; can take an hour). Without it, CUDA attention runs on Tandem's Triton kernel
+# (`tandem doctor` says which).
+if [ "${TANDEM_FLASH_ATTN:-0}" = 1 ] \
+  && ! "$PY" -c 'import flash_attn' 2>/dev/null \
+  && "$PY" -c 'import sys, torch; sys.exit(torch.version.cuda is None)'; then
+  echo "[install] flash-attn (against this torch; may compile for a long time)"
+  MAX_JOBS=${MAX_JOBS:-4} pip_install --no-build-isolation "flash-attn${TANDEM_FLASH_ATTN_VERSION:+==$TANDEM_FLASH_ATTN_VERSION}"
+fi
 # The CPU kernels compile once per machine, for its own CPU (-march=native; about 30 s, cached
 # under ~/.cache/torch_extensions): built here, the first worker to load a model does not pay
 # for it while it starts. TANDEM_BUILD_KERNELS=0 skips it (an image built for other machines).

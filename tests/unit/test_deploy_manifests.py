@@ -153,6 +153,28 @@ def test_each_pool_lands_on_its_own_worker_group():
         assert 'eval "$KUBERAY_GEN_RAY_START_CMD"' in " ".join(c["args"])
 
 
+def test_the_gpu_deploy_starts_on_gpus_as_configured():
+    """The mounted config, resolved as each pool's workers resolve it, is what flash-attn takes
+    (the config's own validation refuses anything else when it loads), with a whole GPU per
+    worker; the image built for it carries flash-attn built against its torch."""
+    from workers.messages import Pool
+    from workers.model.flash_rules import flash_refusal
+
+    cfg = mounted_config()
+    for pool in (Pool.PREFILL, Pool.DECODE):
+        engine = cfg.engine_for(pool)
+        assert engine.device == "cuda" and cfg.pool(pool).gpus == 1
+        assert flash_refusal(engine.dtype, engine.block_size, head_dim=64) is None
+        assert engine.cuda_graphs
+    images = {c["image"] for _, _, c in containers()}
+    assert images == {"tandem:gpu"}
+    dockerfile = (KUBERAY / "Dockerfile").read_text()
+    assert "tandem:gpu" in dockerfile and "FLASH_ATTN=1" in dockerfile
+    assert "TANDEM_FLASH_ATTN=${FLASH_ATTN}" in dockerfile
+    install = (DEPLOY / "local" / "install.sh").read_text()
+    assert "--no-build-isolation" in install  # flash-attn's setup imports torch
+
+
 def defined_series() -> tuple[set[str], set[str]]:
     """(counter and gauge names, histogram names) that the code records."""
     root = DEPLOY.parent
