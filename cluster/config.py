@@ -227,9 +227,14 @@ class ClusterConfig:
 
     def engine_for(self, pool: Pool) -> EngineConfig:
         """The engine config a worker of this pool runs: device, dtype and block size
-        resolved (device auto: CUDA if the pool declares GPUs), threads on CPU."""
+        resolved (device auto: CUDA if the pool declares GPUs), threads on CPU, no decode
+        graphs on prefill workers."""
         p = self.pool(pool)
         engine = self.engine.resolve(cuda=p.gpus >= 1)
+        if pool is Pool.PREFILL and self.mode == "disaggregated":
+            # A prefill worker stops each request at its first token: it never runs a step of
+            # decodes alone, and graphs captured for one would hold memory for nothing.
+            engine = replace(engine, cuda_graphs=False)
         if engine.device != "cpu":
             return engine
         return replace(engine, num_threads=p.threads or engine.num_threads or max(1, int(p.cpus)))

@@ -1,4 +1,7 @@
-"""An in-process channel pair (two queues): for unit tests and warm-up, no network involved."""
+"""An in-process channel pair (two queues): for unit tests and warm-up, no network involved.
+
+On a GPU the two ends run on streams of their own: a sent copy carries the event of its
+making, which the receiving end's stream waits on before reading it."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import torch
 
 from kv_transfer.channel import KVChannel
 from kv_transfer.protocol import TransferError
+from kv_transfer.streams import device_streams
 
 
 class InProcessChannel(KVChannel):
@@ -23,7 +27,8 @@ class InProcessChannel(KVChannel):
     def post_send(self, tensor):
         if self._closed:
             raise TransferError("channel closed")
-        self._out.put(tensor.detach().clone())
+        copy = tensor.detach().clone()
+        self._out.put((copy, device_streams(copy.device).record()))
         return None
 
     def post_recv(self, tensor):
@@ -35,7 +40,7 @@ class InProcessChannel(KVChannel):
         if handle is None:
             return
         try:
-            got = self._in.get(timeout=timeout_s)
+            got, made = self._in.get(timeout=timeout_s)
         except queue.Empty:
             self._closed = True
             raise TransferError(f"no data from the peer within {timeout_s:.1f} s") from None
@@ -45,6 +50,7 @@ class InProcessChannel(KVChannel):
                 f"peer sent {tuple(got.shape)} {got.dtype}, "
                 f"expected {tuple(handle.shape)} {handle.dtype}"
             )
+        device_streams(handle.device).wait(made)
         with torch.no_grad():
             handle.copy_(got)
 

@@ -165,7 +165,7 @@ def test_the_gpu_deploy_starts_on_gpus_as_configured():
         engine = cfg.engine_for(pool)
         assert engine.device == "cuda" and cfg.pool(pool).gpus == 1
         assert flash_refusal(engine.dtype, engine.block_size, head_dim=64) is None
-        assert engine.cuda_graphs
+    assert cfg.engine_for(Pool.DECODE).cuda_graphs
     images = {c["image"] for _, _, c in containers()}
     assert images == {"tandem:gpu"}
     dockerfile = (KUBERAY / "Dockerfile").read_text()

@@ -84,6 +84,7 @@ def test_each_pool_runs_its_resolved_engine():
     for pool in (Pool.PREFILL, Pool.DECODE):
         e = cfg.engine_for(pool)
         assert (e.device, e.dtype, e.block_size, e.num_threads) == ("cuda", "bfloat16", 256, None)
+        assert e.cuda_graphs == (pool is Pool.DECODE)  # prefill never steps decodes alone
     cpu = cluster({}, {"cpus": 2, "threads": 3}, {"cpus": 2})
     pe, de = cpu.engine_for(Pool.PREFILL), cpu.engine_for(Pool.DECODE)
     assert (pe.device, pe.dtype, pe.block_size, pe.num_threads) == ("cpu", "float32", 16, 3)
