@@ -258,7 +258,7 @@ def cluster_table(n: int, prompt_tokens: int, max_tokens: int, runs: int) -> lis
         await watcher
         tokens = [r.token_ids for rs in results for r in rs]
         assert all(r.status == "OK" for rs in results for r in rs)
-        prefill = c.router.directory.members(Pool.PREFILL)[0]
+        prefill = c.router.fleet.directory.members(Pool.PREFILL)[0]
         pushed = [await prefill.handle.push_result.remote(rid, 5.0) for rid in ids]
         log(f"cluster, {label}, run {run + 1}: {peak}, {wall:.1f} s")
         return {

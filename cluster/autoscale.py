@@ -36,7 +36,8 @@ from workers.messages import Pool
 if TYPE_CHECKING:
     from cluster.config import AutoscaleConfig
     from cluster.pools import PoolManager
-    from router.core import Router
+    from router.metrics import RouterMetrics
+    from router.routing import WorkerLoad
 
 log = logging.getLogger(__name__)
 CONFIRM = 3
@@ -45,13 +46,16 @@ CONFIRM = 3
 class Autoscaler:
     def __init__(
         self,
-        router: Router,
+        loads: dict[str, WorkerLoad],
+        metrics: RouterMetrics,
         pools: PoolManager,
         configs: dict[Pool, AutoscaleConfig],
         is_controller: Callable[[], bool],
         interval_s: float = 1.0,
     ) -> None:
-        self.router, self.pools = router, pools
+        """`loads`: the router's view of each worker's load (live); `metrics`: its latency
+        percentiles."""
+        self.loads, self.metrics, self.pools = loads, metrics, pools
         self.configs = {p: c for p, c in configs.items() if c.enabled}
         self.is_controller = is_controller
         self.interval_s = interval_s
@@ -78,7 +82,7 @@ class Autoscaler:
     def signal(self, pool: Pool, name: str) -> float | None:
         """The pool's signal now; None when there is nothing to read yet."""
         members = [w.name for w in self.pools.members(pool)]
-        loads = [self.router.loads[n] for n in members if n in self.router.loads]
+        loads = [self.loads[n] for n in members if n in self.loads]
         if name == "queued_prefill_tokens":
             return sum(w.queued_tokens for w in loads) / max(len(members), 1)
         if name == "kv_blocks_used":
@@ -88,7 +92,7 @@ class Autoscaler:
                 if w.kv_blocks_total and w.kv_blocks_free is not None
             ]
             return sum(used) / len(used) if used else None
-        p90 = self.router.metrics.p90("ttft" if name == "ttft_p90" else "tpot")
+        p90 = self.metrics.p90("ttft" if name == "ttft_p90" else "tpot")
         return 0.0 if p90 is None else p90  # no traffic in the last minute: nothing to serve
 
     def tick(self) -> None:

@@ -161,8 +161,12 @@ def print_status(s: dict) -> None:
             print(f"  autoscale: {p['autoscale']}")
     for pool in ("prefill", "decode"):
         for w in s[pool]:
+            state = "alive" if w["alive"] else "DEAD"
+            silent = w.get("unresponsive_s", 0)
+            if w["alive"] and silent:  # its figures are its last answer's
+                state = f"UNRESPONSIVE {silent:.0f}s"
             print(
-                f"{w['name']:<12} {'alive' if w['alive'] else 'DEAD':<5} pid={w['pid']:<7} "
+                f"{w['name']:<12} {state:<5} pid={w['pid']:<7} "
                 f"node={w['node']:<15} kv={w['kv_blocks_free']}/{w['kv_blocks_total']} "
                 f"running={w['running']} waiting={w['waiting']}"
                 f"{' draining' if w['draining'] else ''}"

@@ -167,7 +167,14 @@ class Cluster:
         progress(f"router {self.router.id} listening on {self.address}")
         autoscale = {p: cfg.pool(p).autoscale for p in cfg.pools}
         if any(a.enabled for a in autoscale.values()):
-            scaler = Autoscaler(self.router, self.pools, autoscale, lambda: self.controller.leader)
+            router = self.router
+            scaler = Autoscaler(
+                router.fleet.loads,
+                router.metrics,
+                self.pools,
+                autoscale,
+                lambda: self.controller.leader,
+            )
             self.router.add_task(scaler.run_forever())
             for p, a in autoscale.items():
                 if a.enabled:
@@ -223,14 +230,13 @@ class Cluster:
         raise RuntimeError(f"found no live worker of every pool in {timeout_s:.0f} s")
 
     async def stop(self) -> None:
-        if self.join and self.router is not None:
-            self.router.leave()  # the cluster goes on: its requests are taken over, not cancelled
+        if self.router is not None:
+            # Joined: the cluster goes on, and its requests are taken over, not cancelled.
+            await self.router.stop(hand_over=self.join)
         if self.http is not None:
             await self.http.cleanup()
         if self.server is not None:
             await self.server.stop(grace=2)
-        if self.router is not None:
-            await self.router.stop()
         if self.pools is not None and not self.join:
             await self.pools.stop_all()
         if self.store is not None:

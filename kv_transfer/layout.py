@@ -47,10 +47,3 @@ class KVLayout:
         ]
         if diffs:
             raise LayoutMismatch("KV layouts differ (" + "; ".join(diffs) + ")")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> KVLayout:
-        return cls(**d)

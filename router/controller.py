@@ -15,14 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
-from router.driver import RequestDriver
-from router.stream import RequestStream
-from workers.engine.request import choice_index
-
-if TYPE_CHECKING:
-    from router.core import Router
+from router.core import Router
 
 log = logging.getLogger(__name__)
 LEASE = "controller"
@@ -48,7 +42,7 @@ class Controller:
             await asyncio.sleep(self.interval_s)
 
     async def tick(self) -> None:
-        router, store = self.router, self.router.store
+        router, store = self.router, self.router.records.store
         was_leader = self.leader
         if store is None:  # a router without a store is alone: it controls its pools
             self.leader = True
@@ -71,23 +65,24 @@ class Controller:
                     self.leader_address = (await store.live_routers()).get(holder or "")
             except (ConnectionError, TimeoutError) as e:  # store away: keep the role we had
                 log.debug("controller: store unreachable (%s)", e)
-        router.directory.set_control(self.leader)
+        directory = router.fleet.directory
+        directory.set_control(self.leader)
         if self.leader:
             if not was_leader:  # new in the role: see the pools as they are before healing
-                await router.directory.refresh()
+                await directory.refresh()
             if self._heal is None or self._heal.done():
-                self._heal = asyncio.get_running_loop().create_task(router.directory.heal())
+                self._heal = asyncio.get_running_loop().create_task(directory.heal())
             if store is not None and router.records.available:
                 await self.adopt_orphans()
         else:
-            await router.directory.refresh()
+            await directory.refresh()
 
     async def adopt_orphans(self) -> None:
         """Take over every running request whose router is gone."""
-        router, store = self.router, self.router.store
+        router, store = self.router, self.router.records.store
         live = await store.live_routers()
         for rid in await store.active():
-            if rid in router.drivers:
+            if router.drives(rid):
                 continue
             rec = await store.get(rid)
             if rec is None or rec.state.terminal or rec.owner in live:
@@ -102,11 +97,4 @@ class Controller:
                 rec.attempt,
                 rec.decode or "no worker",
             )
-            spec = router.spec_of(rec)
-            stream = RequestStream.open(
-                rid, router.tokenizer, spec.sampling.stop, index=choice_index(rid)
-            )
-            driver = RequestDriver(router, spec, stream)
-            driver.tenant, driver.choices = rec.tenant, rec.choices
-            router.drivers[rid] = driver
-            driver.start(adopted=True)
+            router.adopt(rec)

@@ -53,6 +53,7 @@ def worker_status(s: WorkerStatus) -> pb.WorkerStatus:
         steps=s.steps,
         preemptions=s.preemptions,
         prefix_hit_blocks=s.prefix_hit_blocks,
+        unresponsive_s=s.unresponsive_s,
     )
 
 
@@ -86,6 +87,7 @@ def status_to_dict(s: pb.StatusResponse) -> dict:
             "steps": w.steps,
             "preemptions": w.preemptions,
             "prefix_hit_blocks": w.prefix_hit_blocks,
+            "unresponsive_s": round(w.unresponsive_s, 1),
         }
 
     r = s.router

@@ -31,14 +31,15 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from router.directory import WorkerRef
-from router.errors import RouterError
-from router.store import RecordState
+from router.driving import DriverEnv
+from router.errors import AttemptFailed, RouterError
+from router.store import RecordState, RequestRecord
 from router.stream import RequestStream
-from workers.engine.request import choice_id, choice_index
+from workers.engine.request import split_choice
 from workers.messages import (
+    Phase,
     Pool,
     PrefillJob,
     PrefillResult,
@@ -48,16 +49,7 @@ from workers.messages import (
     first_event,
 )
 
-if TYPE_CHECKING:
-    from router.core import Router
-
 log = logging.getLogger(__name__)
-
-
-class AttemptFailed(Exception):
-    def __init__(self, status: Status, reason: str) -> None:
-        super().__init__(reason)
-        self.status, self.reason = status, reason
 
 
 @dataclass(frozen=True)
@@ -76,14 +68,16 @@ class SiblingFailed:
 
 
 class RequestDriver:
+    """Runs on the router's event loop: its task (`start`) and whoever delivers its events."""
+
     def __init__(
         self,
-        router: Router,
+        env: DriverEnv,
         spec: RequestSpec,
         stream: RequestStream | None,
         shared: SharedStart | None = None,
     ) -> None:
-        self.router = router
+        self.env = env
         self.spec = spec  # attempt and output_ids are filled in per attempt
         self.stream = stream
         self.shared = shared  # an n > 1 request's choice: its first attempt is shared
@@ -118,9 +112,32 @@ class RequestDriver:
         if self.task is not None:
             self.task.cancel()
 
+    def record(
+        self, state: RecordState = RecordState.RUNNING, reason: str = "", error: str = ""
+    ) -> RequestRecord:
+        """The request's record as it stands (with a terminal state: as it ends)."""
+        status = self.stream.chunks[-1].status if self.stream.finished else Status.OK
+        return RequestRecord(
+            self.request_id,
+            self.spec.prompt_ids,
+            self.spec.sampling,
+            self.spec.priority,
+            self.tenant,
+            state,
+            self.env.router_id,
+            max(self.attempt, 0),
+            self.prefill or "",
+            self.decode or "",
+            reason,
+            status,
+            error,
+            tuple(self.failures),
+            self.choices,
+        )
+
     # -- the attempts -----------------------------------------------------------------------
     async def run(self, adopted: bool = False) -> None:
-        cfg = self.router.config
+        cfg = self.env.config
         try:
             if adopted:
                 self.watching = True
@@ -137,7 +154,7 @@ class RequestDriver:
                 except AttemptFailed as f:
                     cause = f"attempt {self.attempt}: {f.reason}"
                     self.failures.append(cause)
-                    await self._clean_up()
+                    await self.clean_up()
                     retries = len(self.failures)
                     if not (f.status.retryable and cfg.replay and retries <= cfg.max_retries):
                         self._give_up(f, retries)
@@ -146,18 +163,18 @@ class RequestDriver:
         except asyncio.CancelledError:
             if not self.abandoned:
                 try:  # a second cancel may land while this waits: the stream still ends
-                    await self._clean_up()
+                    await self.clean_up()
                 finally:
                     self._end(Status.OK, "cancelled")
             raise
         except Exception as e:  # a bug here must still end the stream and the record
             log.exception("request %s: driver failed", self.request_id)
             try:
-                await self._clean_up()
+                await self.clean_up()
             finally:
                 self._end(Status.INTERNAL, "error", f"{type(e).__name__}: {e}")
         finally:
-            self.router.forget(self)
+            self.env.done(self)
 
     def _give_up(self, f: AttemptFailed, retries: int) -> None:
         if f.status is Status.CANCELLED:
@@ -165,15 +182,11 @@ class RequestDriver:
         elif not f.status.retryable:
             self._end(f.status, "error", f.reason)
         else:
-            how = (
-                f"{retries} attempts" if self.router.config.replay else "a failure (replay is off)"
-            )
+            how = f"{retries} attempts" if self.env.config.replay else "a failure (replay is off)"
             self._end(f.status, "error", f"gave up after {how}: " + "; ".join(self.failures))
 
     def _replay_starts(self, cause: str) -> None:
-        self.replaying_since = time.monotonic()
-        self.router.stats.replays_started += 1
-        self.router.metrics.replayed()
+        self.replaying_since = self.env.replays.start()
         log.warning(
             "request %s: replaying (attempt %d) after %s, from %d tokens",
             self.request_id,
@@ -182,12 +195,11 @@ class RequestDriver:
             self.stream.next_offset,
         )
 
-    def note_progress(self) -> None:
+    def _note_progress(self) -> None:
         """A token arrived: if a replay was under way, it has recovered."""
         if self.replaying_since is not None:
-            took = time.monotonic() - self.replaying_since
+            took = self.env.replays.recover(self.replaying_since)
             self.replaying_since = None
-            self.router.stats.recovered(took)
             log.warning(
                 "request %s: replay recovered; next token %.2f s after the failure was seen",
                 self.request_id,
@@ -199,74 +211,63 @@ class RequestDriver:
             self.spec,
             attempt=attempt,
             output_ids=tuple(self.stream.tokens),
-            router_id=self.router.id,
+            router_id=self.env.router_id,
         )
         self.prefill = self.decode = None
         if self.shared is not None and attempt == self.shared.attempt:
             await self.shared.begin()  # sets self.prefill and self.decode
             return await self._follow(attempt, landed=self.shared.local)
-        if self._local(spec):
-            d = await self._submit_colocated(spec)
-            self._begin(attempt, "", d.name)
+        if self.runs_whole(spec):
+            d = await self.place_whole(spec)
+            self.began(attempt, "", d.name)
             return await self._follow(attempt, landed=True)
-        d = await self._reserve(spec)
-        p = await self._pick(Pool.PREFILL)
+        d = await self.reserve_decode(spec)
+        p = await self.pick_prefill()
         self.prefill = p.name
-        self._begin(attempt, p.name, d.name)
-        r = await self._prefill(p, PrefillJob(spec, d.endpoint))
-        self._put(first_event(spec, r.first[0]))
+        self.began(attempt, p.name, d.name)
+        r = await self.prefill_on(p, PrefillJob(spec, d.endpoint))
+        self.put(first_event(spec, r.first[0]))
         return await self._follow(attempt, landed=False)
 
-    def _local(self, spec: RequestSpec) -> bool:
+    def runs_whole(self, spec: RequestSpec) -> bool:
         """Whether this attempt runs whole on a decode worker: always in colocated mode; in
         disaggregated mode when it is short enough that a prefill worker's queue and the KV
         transfer would cost it more than a step on its decode worker does (as Dynamo's
         conditional disaggregation)."""
-        if self.router.mode == "colocated":
+        if self.env.mode == "colocated":
             return True
-        return spec.num_tokens <= self.router.config.local_prefill_max_tokens
+        return spec.num_tokens <= self.env.config.local_prefill_max_tokens
 
-    def _begin(self, attempt: int, prefill: str, decode: str) -> None:
+    def began(self, attempt: int, prefill: str, decode: str) -> None:
+        """An attempt begins on these workers: its record says so."""
         cause = self.failures[-1] if self.failures else ""
-        self.router.record_attempt(self.request_id, attempt, prefill, decode, cause)
+        rid, owner = self.request_id, self.env.router_id
+        self.env.log.begin_attempt(rid, attempt, owner, prefill, decode, cause)
 
-    async def _reserve(self, spec: RequestSpec) -> WorkerRef:
+    async def reserve_decode(self, spec: RequestSpec) -> WorkerRef:
         """Decode allocates first: a decode worker with room for the KV. While the pool has
         none, the request waits for room as long as the pool frees blocks, so that a burst
         bigger than the decode pool's KV is served rather than refused; it gives up once
         reserve_timeout_s pass with no block freed, and in any case after prefill_timeout_s
         (G6: a request the pool never gets to is not kept forever)."""
-        cfg = self.router.config
-        router = self.router
+        cfg, fleet = self.env.config, self.env.fleet
         now = time.monotonic()
         deadline, limit = now + cfg.reserve_timeout_s, now + cfg.prefill_timeout_s
-        progress = router.decode_progress
-        blocks = -(-spec.num_tokens // router.policy.block_size)
+        progress = fleet.decode_progress
+        ttl = cfg.prefill_timeout_s + 2 * cfg.rpc_timeout_s
         while True:
             for w in await self._candidates(Pool.DECODE):
-                res = await self._claim(
-                    w,
-                    lambda w=w: w.handle.reserve.remote(
-                        spec.request_id,
-                        spec.attempt,
-                        spec.num_tokens,
-                        router.id,
-                        cfg.prefill_timeout_s + 2 * cfg.rpc_timeout_s,
-                    ),
-                    self._ids(spec),
-                    blocks,
-                    spec.attempt,
-                )
-                if res is not None:
+                wanted = lambda w=w: self.decode == w.name  # noqa: E731
+                if await fleet.reserve(w, spec, ttl, wanted) is not None:
                     self.decode = w.name
                     return w
-            if (never := router.fits_no_decode_worker(spec.num_tokens)) is not None:
+            if (never := fleet.fits_no_decode_worker(spec.num_tokens)) is not None:
                 raise AttemptFailed(
                     Status.INVALID_ARGUMENT, f"this request cannot run here: {never}"
                 )
             now = time.monotonic()
-            if router.decode_progress != progress:
-                progress = router.decode_progress
+            if fleet.decode_progress != progress:
+                progress = fleet.decode_progress
                 deadline = min(now + cfg.reserve_timeout_s, limit)
             if now > deadline:
                 why = (
@@ -279,54 +280,28 @@ class RequestDriver:
                     f"no decode worker had room for this request ({spec.num_tokens} tokens) "
                     f"{why}; retry later",
                 )
-            await router.wait_for_room(cfg.status_interval_s)
+            await fleet.wait_for_room(cfg.status_interval_s)
 
-    async def _submit_colocated(self, spec: RequestSpec) -> WorkerRef:
+    async def place_whole(self, spec: RequestSpec) -> WorkerRef:
         """The whole request to a decode worker: it prefills the prompt itself."""
         for w in await self._candidates(Pool.DECODE):
-            send = lambda w=w: w.handle.submit.remote(spec)  # noqa: E731 (one line)
-            if await self._claim(w, send, spec.request_id, 0, spec.attempt):
+            wanted = lambda w=w: self.decode == w.name  # noqa: E731
+            if await self.env.fleet.submit(w, spec, wanted):
                 self.decode = w.name
                 return w
         raise AttemptFailed(Status.UNAVAILABLE, "no decode worker took the request")
 
-    async def _claim(self, w: WorkerRef, send, ids, blocks: int, attempt: int):
-        """One reserve or colocated submit (`send()` makes the call) to decode worker w: its
-        answer, or None where w failed or was too slow. The request and its blocks count
-        against w's room from the moment the call goes, not once granted, so that the other
-        requests of a burst, choosing while it is out, see it; until w's next status, or
-        taken back if w says no. A yes that comes too late is cancelled once it lands, unless
-        the request got w after all."""
-        router = self.router
-        router.reserved(w.name, blocks)
-        ref = send()
-        try:
-            res = await router.call(w, ref)
-        except AttemptFailed:  # gone or slow: the caller tries the next
-            router.unreserved(w.name, blocks)
-            router.release_when_made(
-                w, ref, ids, wanted=lambda: self.decode == w.name, attempt=attempt
-            )
-            return None
-        except asyncio.CancelledError:  # the request ended with the call out
-            router.unreserved(w.name, blocks)
-            router.release_when_made(w, ref, ids)
-            raise
-        if not res:
-            router.unreserved(w.name, blocks)
-        return res
-
     async def _candidates(self, pool: Pool) -> list[WorkerRef]:
         """Live, undrained workers of a pool, best first. With none, wait for the pool to heal
         (the controller starts replacements up to the pool's target) up to replay_wait_s."""
-        cfg = self.router.config
+        cfg, fleet = self.env.config, self.env.fleet
         t0 = time.monotonic()
         while True:
-            found = self.router.candidates(pool)
+            found = fleet.candidates(pool)
             if found:
                 return found
             waited = time.monotonic() - t0
-            if waited > cfg.replay_wait_s or not self.router.expects(pool):
+            if waited > cfg.replay_wait_s or not fleet.expects(pool):
                 raise AttemptFailed(
                     Status.UNAVAILABLE,
                     f"no live {pool.value} worker after {waited:.0f} s; "
@@ -334,19 +309,13 @@ class RequestDriver:
                 )
             await asyncio.sleep(0.1)
 
-    async def _pick(self, pool: Pool) -> WorkerRef:
-        candidates = await self._candidates(pool)
-        return self.router.pick_prefill(candidates, self.spec)
+    async def pick_prefill(self) -> WorkerRef:
+        candidates = await self._candidates(Pool.PREFILL)
+        return self.env.fleet.pick_prefill(candidates, self.spec)
 
-    async def _prefill(self, p: WorkerRef, job: PrefillJob) -> PrefillResult:
-        cfg = self.router.config
-        self.router.queue_prefill(p.name, job.spec.num_tokens)
-        try:
-            r = await self.router.call(
-                p, p.handle.prefill.remote(job, cfg.prefill_timeout_s), cfg.prefill_timeout_s + 10
-            )
-        finally:
-            self.router.queue_prefill(p.name, -job.spec.num_tokens)
+    async def prefill_on(self, p: WorkerRef, job: PrefillJob) -> PrefillResult:
+        """The prompt prefilled on p: its first token(s), or AttemptFailed."""
+        r = await self.env.fleet.prefill(p, job, self.env.config.prefill_timeout_s)
         if not r.ok:
             raise AttemptFailed(
                 r.status, f"prefill on {p.name} failed: {r.error or r.status.value}"
@@ -364,7 +333,7 @@ class RequestDriver:
             raise
 
     async def _events(self, attempt: int, landed: bool) -> TokenEvent:
-        stall = self.router.config.stall_timeout_s
+        stall = self.env.config.stall_timeout_s
         self.landed = landed
         while True:
             try:
@@ -387,26 +356,21 @@ class RequestDriver:
             if item.status is not Status.OK:
                 raise AttemptFailed(item.status, item.error or item.status.value)
             self.landed = True
-            self._put(item)
+            self.put(item)
             if item.finished:
                 return item
 
-    def _put(self, event: TokenEvent) -> None:
+    def put(self, event: TokenEvent) -> None:
+        """An event of the attempt followed now (a first token, from whoever computed it)."""
         before = self.stream.next_offset
         self.stream.put(event)
         if self.stream.next_offset > before:
-            self.note_progress()
+            self._note_progress()
 
-    async def _clean_up(self) -> None:
+    async def clean_up(self) -> None:
         """Whatever this attempt still holds on its workers is freed."""
         names = [n for n in (self.prefill, self.decode) if n]
-        await self.router.cancel_on(names, self._ids(self.spec))
-
-    @staticmethod
-    def _ids(spec: RequestSpec) -> list[str]:
-        """What a request is held under on its workers: its own id, and with n > 1 (the
-        shared first attempt) each choice's."""
-        return [choice_id(spec.request_id, i) for i in range(spec.choices)]
+        await self.env.fleet.cancel_on(names, self.spec.held_ids)
 
     def _end(self, status: Status, reason: str, error: str = "") -> None:
         """The request's end: its stream's last chunk and its record's terminal state. A
@@ -419,17 +383,17 @@ class RequestDriver:
             state = RecordState.FAILED
             log.warning("request %s failed (%s): %s", self.request_id, status.value, error)
         self.stream.end(status, reason, error)
-        self.router.record_end(self, state, reason, error)
+        self.env.log.end(self.record(state, reason, error), list(self.stream.tokens))
 
     # -- adopted requests -----------------------------------------------------------------
     async def _watch(self) -> bool:
         """An adopted request: True once it ended where it ran; False if it must be run again
         here (its workers are gone or no longer have it)."""
-        router = self.router
+        log_ = self.env.log
         gone_since: float | None = None
         while True:
             try:
-                rec = await router.read_record(self.request_id)
+                rec = await log_.read(self.request_id)
             except RouterError:  # the store is away: keep watching until it is back
                 await asyncio.sleep(1.0)
                 continue
@@ -450,16 +414,16 @@ class RequestDriver:
                 await asyncio.sleep(1.0)
                 continue
             try:
-                tokens = await router.read_tokens(self.request_id)
+                tokens = await log_.tokens(self.request_id)
             except RouterError:
                 continue
             stops, index = self.spec.sampling.stop, self.stream.index
             self.stream = RequestStream.open(
-                self.request_id, router.tokenizer, stops, tokens, index
+                self.request_id, self.env.tokenizer, stops, tokens, index
             )
             self.attempt, self.failures = rec.attempt, list(rec.failures)
             self.prefill, self.decode = rec.prefill or None, rec.decode or None
-            await self._clean_up()  # whatever the old attempt still holds
+            await self.clean_up()  # whatever the old attempt still holds
             if rec.attempt == 0:  # its router died before it began: a start, not a replay
                 log.warning("request %s: starting it (its router is gone)", self.request_id)
                 return False
@@ -473,25 +437,21 @@ class RequestDriver:
         or its KV being pushed to a reservation). A choice > 0 of an n > 1 request, in its
         shared first attempt, is on its way while the request's own KV is."""
         decode, prefill = await self._phases(rec, self.request_id)
-        if decode == "running" or (decode == "reserved" and prefill != ""):
+        if decode is Phase.RUNNING or (decode is Phase.RESERVED and prefill.on_its_way):
             return True
-        if choice_index(self.request_id) == 0 or rec.attempt != 1:
+        request_id, index = split_choice(self.request_id)
+        if index == 0 or rec.attempt != 1:
             return False
-        decode, prefill = await self._phases(rec, self.request_id.rpartition("#")[0])
-        return decode == "reserved" and prefill != ""
+        decode, prefill = await self._phases(rec, request_id)
+        return decode is Phase.RESERVED and prefill.on_its_way
 
-    async def _phases(self, rec, rid: str) -> tuple[str, str]:
+    async def _phases(self, rec, rid: str) -> tuple[Phase, Phase]:
         """`rid`'s phase on the record's decode worker and on its prefill worker."""
-        phases = {}
-        for name in (rec.decode, rec.prefill):
-            w = self.router.directory.get(name) if name else None
-            if w is None or not w.alive:
-                continue
-            try:
-                phases[w.pool] = await self.router.call(w, w.handle.phase.remote(rid, rec.attempt))
-            except AttemptFailed:
-                continue
-        return phases.get(Pool.DECODE, ""), phases.get(Pool.PREFILL, "")
+        fleet = self.env.fleet
+        return (
+            await fleet.phase(rec.decode, rid, rec.attempt),
+            await fleet.phase(rec.prefill, rid, rec.attempt),
+        )
 
 
 class SharedStart:
@@ -501,11 +461,11 @@ class SharedStart:
     the choices. The placement runs once, in a task of its own, whichever driver asks first,
     so that one choice's cancellation does not stop the others'."""
 
-    def __init__(self, router: Router, spec: RequestSpec) -> None:
+    def __init__(self, env: DriverEnv, spec: RequestSpec) -> None:
         self.spec = spec
         self.attempt = spec.attempt
-        self.lead = RequestDriver(router, spec, None)  # places the request; follows nothing
-        self.local = self.lead._local(spec)  # prefilled on its decode worker
+        self.lead = RequestDriver(env, spec, None)  # places the request; follows nothing
+        self.local = self.lead.runs_whole(spec)  # prefilled on its decode worker
         self.drivers: list[RequestDriver] = []  # by choice index
         self.task: asyncio.Task | None = None
 
@@ -525,27 +485,28 @@ class SharedStart:
                 d.deliver(SiblingFailed(self.attempt, reason))
 
     async def _place(self) -> None:
-        lead, spec = self.lead, replace(self.spec, router_id=self.lead.router.id)
+        lead = self.lead
+        spec = replace(self.spec, router_id=lead.env.router_id)
         try:
             if self.local:
-                d = await lead._submit_colocated(spec)
+                d = await lead.place_whole(spec)
                 self._began("", d.name)
                 return
-            d = await lead._reserve(spec)
+            d = await lead.reserve_decode(spec)
             for driver in self.drivers:  # its death is news to them from now on
                 driver.decode = d.name
-            p = await lead._pick(Pool.PREFILL)
+            p = await lead.pick_prefill()
             lead.prefill = p.name
             self._began(p.name, d.name)
-            r = await lead._prefill(p, PrefillJob(spec, d.endpoint))
+            r = await lead.prefill_on(p, PrefillJob(spec, d.endpoint))
             for driver, first in zip(self.drivers, r.first):
-                driver._put(first_event(spec, first, driver.stream.index))
+                driver.put(first_event(spec, first, driver.stream.index))
         except BaseException:  # failed or cancelled: free what the request holds
-            if not lead.router.leaving:  # (a router leaving hands its requests over)
-                await lead._clean_up()
+            if not lead.env.leaving():  # (a router leaving hands its requests over)
+                await lead.clean_up()
             raise
 
     def _began(self, prefill: str, decode: str) -> None:
         for d in self.drivers:
             d.prefill, d.decode = prefill or None, decode
-            d._begin(self.attempt, prefill, decode)
+            d.began(self.attempt, prefill, decode)

@@ -1,4 +1,5 @@
-"""The one exception that ends a request at the router with a status a client can act on."""
+"""The router's two exceptions: `RouterError` ends a request (or a call) with a status a
+client can act on; `AttemptFailed` ends one attempt of a request, which may be replayed."""
 
 from __future__ import annotations
 
@@ -16,3 +17,11 @@ class RouterError(Exception):
         self.status = status
         self.message = message
         self.final = final
+
+
+class AttemptFailed(Exception):
+    """One attempt failed with `status` (UNAVAILABLE: it may be replayed) for `reason`."""
+
+    def __init__(self, status: Status, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.reason = status, reason

@@ -104,7 +104,28 @@ class Records:
         while self._ended and now - self._ended[0].at > _KEEP_ENDED_S:
             self._ended.popleft()
 
-    async def read(self, make: Callable[[], Awaitable]):
+    # -- what a request's driver writes and reads (router/driving.py's RequestLog) ----------
+    def begin_attempt(
+        self, rid: str, attempt: int, owner: str, prefill: str, decode: str, cause: str
+    ) -> None:
+        store = self.store
+        self.write(
+            f"{rid} attempt {attempt}",
+            lambda: store.begin_attempt(rid, attempt, owner, prefill, decode, cause),
+        )
+
+    def end(self, rec: RequestRecord, tokens: list[int]) -> None:
+        """The request ended (rec is terminal) with these tokens."""
+        self.ended(rec, tokens)
+        self.write(f"{rec.request_id} end", lambda: self.store.end(rec, tokens))
+
+    async def read(self, rid: str) -> RequestRecord | None:
+        return await self._fetch(lambda: self.store.get(rid))
+
+    async def tokens(self, rid: str, start: int = 0) -> list[int]:
+        return await self._fetch(lambda: self.store.tokens(rid, start))
+
+    async def _fetch(self, make: Callable[[], Awaitable]):
         if self.store is None:
             raise RouterError(Status.UNAVAILABLE, "this router runs without a request store")
         try:

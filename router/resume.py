@@ -7,16 +7,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
+from router.driving import RequestLog
 from router.errors import RouterError
 from router.store import RequestRecord
 from router.stream import Chunk, RequestStream
 from workers.messages import Status
 from workers.model.tokenizer import TextStream
-
-if TYPE_CHECKING:
-    from router.core import Router
 
 _POLL_S = 0.05
 
@@ -67,25 +64,26 @@ async def from_stream(
 
 
 async def tail_log(
-    router: Router, rec: RequestRecord, offset: int, index: int = 0
+    log: RequestLog, tokenizer, rec: RequestRecord, offset: int, stall: float, index: int = 0
 ) -> AsyncIterator[Chunk]:
+    """The logged tokens from `offset`, polled until the record is terminal; UNAVAILABLE
+    (not final) if nothing moves for `stall` seconds."""
     rid, stops = rec.request_id, rec.sampling.stop
     text: _Text | None = None
     cursor, last_progress = offset, time.monotonic()
-    stall = router.config.stall_timeout_s
     while True:
-        rec = await router.read_record(rid)
+        rec = await log.read(rid)
         if rec is None:
             raise RouterError(Status.NOT_FOUND, f"request {rid} expired while followed")
         done = rec.state.terminal
         if text is None:  # wait for the log to hold what the client has, to prime the text
-            logged = await router.read_tokens(rid, 0)
+            logged = await log.tokens(rid, 0)
             tokens = []
             if len(logged) >= offset or done:
-                text = _Text(router.tokenizer, stops, logged[:offset])
+                text = _Text(tokenizer, stops, logged[:offset])
                 tokens = logged[offset:]
         else:
-            tokens = await router.read_tokens(rid, cursor)
+            tokens = await log.tokens(rid, cursor)
         if text is not None and (tokens or done):
             yield Chunk(
                 cursor,

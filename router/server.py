@@ -7,13 +7,10 @@ carries one, and a request is never returned as a truncated success.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import statistics
 
 import grpc
-import ray
 from google.protobuf.unknown_fields import UnknownFieldSet
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -26,7 +23,7 @@ from router.controller import Controller
 from router.core import Router
 from router.errors import RouterError
 from router.validation import InvalidRequest, validate
-from workers.messages import Pool, Status, WorkerStatus
+from workers.messages import Pool, Status
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +167,7 @@ class AdminService(pb_grpc.AdminServicer):
         controller: Controller,
         mode: str,
         auth_token: str | None = None,
-        status_timeout_s: float = 10.0,
+        status_timeout_s: float = 0.5,
     ) -> None:
         self.router = router
         self.controller = controller
@@ -185,39 +182,29 @@ class AdminService(pb_grpc.AdminServicer):
             await _abort(context, e)
             return
         router = self.router
-        recovery = router.stats.recovery_s
+        me = router.status()
         out = pb.StatusResponse(
             router=pb.RouterStatus(
-                queue_depth=router.queue_depth,
-                in_flight=len(router.drivers),
+                queue_depth=me.queue_depth,
+                in_flight=me.in_flight,
                 mode=self.mode,
                 router_id=router.id,
                 controller=self.controller.leader,
-                replays_in_flight=sum(
-                    1 for d in router.drivers.values() if d.replaying_since is not None
-                ),
-                replays_total=router.stats.replays_started,
-                replays_recovered=router.stats.replays_recovered,
-                recovery_p50_s=statistics.median(recovery) if recovery else 0.0,
-                recovery_max_s=max(recovery, default=0.0),
-                store_available=router.records.available,
+                replays_in_flight=me.replays_in_flight,
+                replays_total=me.replays_total,
+                replays_recovered=me.replays_recovered,
+                recovery_p50_s=me.recovery_p50_s,
+                recovery_max_s=me.recovery_max_s,
+                store_available=me.store_available,
             ),
-            pools=[convert.pool_status(p) for p in router.directory.pool_status()],
+            pools=[convert.pool_status(p) for p in router.fleet.directory.pool_status()],
         )
-        for pool, field in ((Pool.PREFILL, out.prefill), (Pool.DECODE, out.decode)):
-            workers = router.directory.members(pool, include_dead=True)
-            statuses = await asyncio.gather(*(self._worker(w) for w in workers))
-            field.extend(convert.worker_status(s) for s in statuses)
+        # Within status_timeout_s whatever a worker does: one that does not answer shows its
+        # last answer, marked unresponsive (an SRE asks exactly when something hangs).
+        for s in await router.fleet.snapshot(self.status_timeout_s):
+            field = out.prefill if s.pool is Pool.PREFILL else out.decode
+            field.append(convert.worker_status(s))
         return out
-
-    async def _worker(self, w) -> WorkerStatus:
-        if not w.alive:
-            return WorkerStatus(w.name, w.pool, w.info.pid, w.info.node, alive=False)
-        try:
-            return await asyncio.wait_for(w.handle.status.remote(), self.status_timeout_s)
-        except (TimeoutError, ray.exceptions.RayError):
-            # Not answering now: shown as not alive; the heartbeat decides if it is dead.
-            return WorkerStatus(w.name, w.pool, w.info.pid, w.info.node, alive=False)
 
     async def _forward(self, method: str, request, context):
         """Pool changes are made by the controller alone: pass them on to it."""
@@ -250,7 +237,8 @@ class AdminService(pb_grpc.AdminServicer):
             if not self.controller.leader:
                 return await self._forward("Scale", request, context)
             try:
-                names = await self.router.directory.scale(Pool(request.pool), request.replicas)
+                directory = self.router.fleet.directory
+                names = await directory.scale(Pool(request.pool), request.replicas)
             except ValueError as e:
                 raise RouterError(Status.RESOURCE_EXHAUSTED, str(e)) from None
             return pb.ScaleResponse(workers=names)
@@ -262,9 +250,10 @@ class AdminService(pb_grpc.AdminServicer):
             _check_auth(context, self.auth_token)
             if not self.controller.leader:
                 return await self._forward("Drain", request, context)
-            if self.router.directory.get(request.worker) is None:
+            directory = self.router.fleet.directory
+            if directory.get(request.worker) is None:
                 raise RouterError(Status.NOT_FOUND, f"no worker named {request.worker!r}")
-            ok, message = await self.router.directory.drain(request.worker, request.timeout_s or 60)
+            ok, message = await directory.drain(request.worker, request.timeout_s or 60)
             return pb.DrainResponse(drained=ok, message=message)
         except RouterError as e:
             await _abort(context, e)

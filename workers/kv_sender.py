@@ -274,9 +274,9 @@ class KVSender:
             return
         handle, timeout = self.target.handle, self.timeout_s
         # The handshake: a layout mismatch is refused here, before any group or bytes.
-        ray.get(handle.check_layout.remote(self.source, self.layout.to_dict()), timeout=timeout)
+        ray.get(handle.check_layout.remote(self.source, self.layout), timeout=timeout)
         self.generation += 1
-        ref = handle.open_pair.remote(self.source, self.generation, self.layout.to_dict())
+        ref = handle.open_pair.remote(self.source, self.generation, self.layout)
         store = store_client(self.target.host, self.target.port, timeout)
         try:
             group = PairGroup(

@@ -29,7 +29,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from workers.engine.request import FinishReason, SamplingParams, choice_id, choice_seed
+from workers.engine.request import (
+    ErrorKind,
+    FinishReason,
+    SamplingParams,
+    choice_id,
+    choice_seed,
+)
 
 
 class Status(enum.Enum):
@@ -53,10 +59,31 @@ class Status(enum.Enum):
     def retryable(self) -> bool:
         return self is Status.UNAVAILABLE
 
+    @classmethod
+    def of_error(cls, kind: ErrorKind | None) -> Status:
+        """The status of a request the engine ended in error: too big for the worker is a
+        resource limit; anything else (a failed step) is the worker's fault."""
+        return cls.RESOURCE_EXHAUSTED if kind is ErrorKind.TOO_BIG else cls.INTERNAL
+
 
 class Pool(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
+
+
+class Phase(str, enum.Enum):
+    """Where one attempt of a request stands on a worker (its `phase` call)."""
+
+    ABSENT = "absent"  # not there (never was, ended, or another attempt is)
+    RESERVED = "reserved"  # decode: its blocks are held, its KV has not landed
+    RUNNING = "running"  # decode: generating
+    PREFILLING = "prefilling"  # prefill: in the engine
+    PUSHING = "pushing"  # prefill: its KV queued or on the wire
+
+    @property
+    def on_its_way(self) -> bool:
+        """Prefilling or pushing: the KV has yet to land on its decode worker."""
+        return self in (Phase.PREFILLING, Phase.PUSHING)
 
 
 def sampling_to_dict(sp: SamplingParams) -> dict:
@@ -135,6 +162,12 @@ class RequestSpec:
     @property
     def choices(self) -> int:
         return self.sampling.n
+
+    @property
+    def held_ids(self) -> list[str]:
+        """What it is held under on its workers: its own id, and with n > 1 (the shared
+        first attempt) each choice's."""
+        return [choice_id(self.request_id, i) for i in range(self.choices)]
 
     def choice(self, index: int) -> RequestSpec:
         """Choice `index` of an n > 1 request as a request of its own: id
@@ -275,6 +308,8 @@ class WorkerStatus:
     preemptions: int = 0
     prefix_hit_blocks: int = 0
     stalled_s: float = 0.0  # how long the engine step now running has taken
+    # Not answering now: the figures above are its last answer, this many seconds old.
+    unresponsive_s: float = 0.0
 
     @property
     def idle(self) -> bool:

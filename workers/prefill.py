@@ -32,12 +32,12 @@ from workers.kv_sender import KVSender, LayerProgress, Push
 from workers.messages import (
     DecodeEndpoint,
     FirstToken,
+    Phase,
     Pool,
     PrefillJob,
     PrefillResult,
     PushResult,
     Status,
-    WorkerInfo,
 )
 from workers.worker_common import WorkerBase
 
@@ -74,16 +74,6 @@ class PrefillWorker(WorkerBase):
         self._streaming: dict[str, Push] = {}  # the loop thread's: pushes awaiting first tokens
         self.engine.on_kv_completing = self._kv_completing
         self.start_loop(self._on_outputs)
-
-    def info(self) -> WorkerInfo:
-        return WorkerInfo(
-            self.name,
-            self.pool,
-            self.pid,
-            self.node,
-            host=self.transfer_host,
-            liveness_port=self.liveness.port,
-        )
 
     def queued_prefill_tokens(self) -> int:
         return self._queued_tokens
@@ -146,17 +136,17 @@ class PrefillWorker(WorkerBase):
             entry.result.set_result(PrefillResult(request_id, entry.attempt, Status.CANCELLED))
         return found or push is not None or entry is not None
 
-    def phase(self, request_id: str, attempt: int) -> str:
-        """Where this attempt of the request stands here: "prefilling", "pushing" (its KV is
-        queued or on the wire), or "" (not here)."""
+    def phase(self, request_id: str, attempt: int) -> Phase:
+        """Where this attempt of the request stands here: prefilling, pushing (its KV is
+        queued or on the wire), or absent."""
         with self._lock:
             entry = self._jobs.get(request_id)
             push = self._pushes.get(request_id)
         if entry is not None and entry.attempt == attempt and not entry.result.done():
-            return "prefilling"
+            return Phase.PREFILLING
         if push is not None and push[0].spec.attempt == attempt:
-            return "pushing"
-        return ""
+            return Phase.PUSHING
+        return Phase.ABSENT
 
     def push_result(self, request_id: str, timeout_s: float = 60.0) -> PushResult:
         """Wait for a request's KV push to end."""
@@ -246,12 +236,11 @@ class PrefillWorker(WorkerBase):
             error = next((c.error for c in outs if c.error), "")
             if push is not None:
                 push.resolve(f"the prefill failed: {error}")
+            kind = next((c.error_kind for c in outs if c.error_kind), None)
             status = (
                 Status.CANCELLED
                 if o.finish_reason is FinishReason.CANCELLED
-                else Status.RESOURCE_EXHAUSTED
-                if "KV blocks" in error
-                else Status.INTERNAL
+                else Status.of_error(kind)
             )
             failed = PrefillResult(spec.request_id, spec.attempt, status, error=error)
             entry.result.set_result(failed)

@@ -13,7 +13,7 @@ from kv_transfer.streams import device_streams
 from workers.engine.config import EngineConfig
 from workers.engine.engine import LLMEngine
 from workers.engine_loop import EngineLoop
-from workers.messages import Pool, WorkerStatus
+from workers.messages import DecodeEndpoint, Pool, WorkerInfo, WorkerStatus
 from workers.metrics import WorkerMetrics
 
 LOOP_WAIT_S = 60.0
@@ -51,6 +51,7 @@ class WorkerBase:
     their own state, then call `start_loop` with their output handler."""
 
     pool: Pool
+    endpoint: DecodeEndpoint | None = None  # where prefill workers send KV (decode workers)
 
     def __init__(
         self,
@@ -97,6 +98,17 @@ class WorkerBase:
                 f"{self.name}'s engine loop did not answer within {LOOP_WAIT_S:.0f} s"
             ) from None
 
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            self.name,
+            self.pool,
+            self.pid,
+            self.node,
+            self.endpoint,
+            self.transfer_host,
+            self.liveness.port,
+        )
+
     def start_loop(self, on_outputs) -> None:
         self.loop.start(on_outputs)
 
@@ -112,7 +124,7 @@ class WorkerBase:
             node=self.node,
             kv_blocks_total=s.kv_blocks_total,
             kv_blocks_free=s.kv_blocks_free,
-            kv_blocks_reservable=s.kv_blocks_total - self.engine.scheduler.kv.watermark_blocks,
+            kv_blocks_reservable=s.kv_blocks_reservable,
             running=s.running,
             waiting=s.waiting,
             reserved=s.reserved,

@@ -210,3 +210,47 @@ def test_past_the_retry_limit_a_stream_fails_with_every_cause(cluster):
     )
     assert rec.state is RecordState.FAILED and rec.attempt == 2
     assert rec.failures == tuple(f"attempt {i + 1}: {n} died" for i, n in enumerate(killed))
+
+
+def test_status_answers_within_a_second_naming_a_stopped_worker_unresponsive(cluster, tmp_path):
+    """A worker stopped with SIGSTOP is alive but silent. `tandem status` is what an SRE runs
+    then: it answers within its 1 s deadline, and names that worker unresponsive, with its
+    last known figures, rather than waiting for it."""
+    import json
+
+    from router.client import status_to_dict
+
+    async def status():  # with a 1 s deadline: past it, gRPC fails the call
+        return status_to_dict(await cluster.client.admin.Status(pb.StatusRequest(), timeout=1.0))
+
+    prefill = cluster.status()["prefill"][0]
+    os.kill(prefill["pid"], signal.SIGSTOP)
+    try:
+        shown = None
+        for _ in range(20):  # the first status after the stop may still have its answer
+            s = cluster.run(status())
+            [shown] = [w for w in s["prefill"] if w["name"] == prefill["name"]]
+            if shown["unresponsive_s"] > 0:
+                break
+        assert shown["alive"] and shown["unresponsive_s"] > 0
+        assert shown["kv_blocks_total"] == prefill["kv_blocks_total"]  # its last answer
+        assert all(w["unresponsive_s"] == 0 for w in s["decode"])
+        cli = subprocess.run(
+            [sys.executable, "-m", "cluster.cli", "status", "--address", cluster.address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert cli.returncode == 0, cli.stderr
+        [line] = [ln for ln in cli.stdout.splitlines() if ln.startswith(prefill["name"])]
+        assert "UNRESPONSIVE" in line
+        as_json = subprocess.run(
+            [sys.executable, "-m", "cluster.cli", "status", "--address", cluster.address, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        [w] = [w for w in json.loads(as_json.stdout)["prefill"] if w["name"] == prefill["name"]]
+        assert w["unresponsive_s"] > 0
+    finally:
+        os.kill(prefill["pid"], signal.SIGCONT)

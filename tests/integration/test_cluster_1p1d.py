@@ -309,7 +309,7 @@ def test_n_choices_share_one_prefill_and_push_and_equal_lone_requests(cluster, l
     assert sorted(finals) == [0, 1, 2, 3]
     assert all(finals[r.index].usage.completion_tokens == len(r.token_ids) for r in results)
     # One KV push, under the request's own id; none for any other choice.
-    prefill = cluster.cluster.router.directory.members(Pool.PREFILL)[0]
+    prefill = cluster.cluster.router.fleet.directory.members(Pool.PREFILL)[0]
 
     async def pushed(rid):
         return await prefill.handle.push_result.remote(rid, 5.0)

@@ -60,7 +60,7 @@ def test_greedy_streams_equal_the_offline_engine(
         assert len(s["decode"]) == 2 and len(s["prefill"]) == prefill
         for w in s["prefill"] + s["decode"]:
             assert w["kv_blocks_free"] == w["kv_blocks_total"], w
-        assert s["router"]["mode"] == mode and router.queue_depth == 0
+        assert s["router"]["mode"] == mode and router.status().queue_depth == 0
         # Both decode workers (and in disaggregated mode both prefill workers) were used.
         recs = [h.run(h.store.get(r.request_id)) for r in results]
         assert {rec.decode for rec in recs} == {"decode-0", "decode-1"}

@@ -32,7 +32,7 @@ def cluster(tmp_path_factory):
 def test_short_requests_prefill_on_their_decode_worker_and_long_ones_do_not(cluster):
     want = offline_reference(REQUESTS)
     results = cluster.generate_many(REQUESTS)
-    prefill = cluster.cluster.router.directory.members(Pool.PREFILL)[0]
+    prefill = cluster.cluster.router.fleet.directory.members(Pool.PREFILL)[0]
     kinds = []
 
     async def pushed(rid):

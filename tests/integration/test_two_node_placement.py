@@ -57,7 +57,7 @@ def test_pools_are_placed_apart_and_serve_through_a_cross_node_pair(nodes, clust
     from workers.messages import Pool
 
     _, prefill_node, decode_node = nodes
-    directory = cluster.cluster.router.directory
+    directory = cluster.cluster.router.fleet.directory
     [p] = directory.members(Pool.PREFILL)
     [d] = directory.members(Pool.DECODE)
     assert node_of(p.handle) == prefill_node

@@ -60,7 +60,7 @@ async def decide(s) -> None:
 def scaler(configs, sizes):
     router = SimpleNamespace(loads={}, metrics=FakeMetrics())
     pools = FakePools(sizes)
-    return Autoscaler(router, pools, configs, lambda: True), router, pools
+    return Autoscaler(router.loads, router.metrics, pools, configs, lambda: True), router, pools
 
 
 def test_grows_within_bounds_holds_in_cool_down_and_shrinks_one_at_a_time():

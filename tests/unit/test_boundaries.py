@@ -1,8 +1,10 @@
 """Package boundaries: imports point one way, and the client side starts without torch."""
 
 import ast
+import inspect
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -81,3 +83,104 @@ def test_client_side_starts_without_torch(code):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]", "torch was imported"
+
+
+def import_graph(pkg: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports (TYPE_CHECKING ones included:
+    a circle drawn only for type hints is still a circle to read)."""
+    modules = {module_name(p): p for p in (ROOT / pkg).rglob("*.py")}
+    graph = {}
+    for me, path in modules.items():
+        graph[me] = {t for t in imports(path) if t in modules and t != me}
+    return graph
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle, as the modules around it, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+@pytest.mark.parametrize("pkg", PACKAGES)
+def test_no_import_circle_within_a_package(pkg):
+    found = cycle(import_graph(pkg))
+    assert found is None, "import circle: " + " -> ".join(found)
+
+
+def test_the_circle_finder_finds_one():
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set()}) is None
+
+
+def private_methods() -> set[str]:
+    """Names of every leading-underscore method a class of ours defines."""
+    names = set()
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    for item in node.body:
+                        if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                            if item.name.startswith("_") and not item.name.startswith("__"):
+                                names.add(item.name)
+    return names
+
+
+def test_no_class_calls_another_by_a_private_name():
+    """`other._method()` reaches past another object's interface: only `self`, `cls` and
+    `super()` may call a leading-underscore method of ours."""
+    private = private_methods()
+    wrong = []
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                    continue
+                attr, owner = node.func.attr, node.func.value
+                if attr not in private:
+                    continue
+                if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                    continue
+                if isinstance(owner, ast.Call) and getattr(owner.func, "id", "") == "super":
+                    continue
+                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} calls .{attr}()")
+    assert not wrong, "\n".join(wrong)
+
+
+def public_members(cls: type) -> set[str]:
+    """A class's public methods and properties, and the public attributes its __init__ sets."""
+    names = {n for n in vars(cls) if not n.startswith("_")}
+    init = ast.parse(textwrap.dedent(inspect.getsource(cls.__init__)))
+    for node in ast.walk(init):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id == "self":
+                if not node.attr.startswith("_"):
+                    names.add(node.attr)
+    return names
+
+
+def test_the_router_and_the_decode_worker_stay_small():
+    from router.core import Router
+    from workers.decode import DecodeWorker
+
+    members = public_members(Router)
+    assert len(members) <= 15, sorted(members)
+    methods = [n for n, v in vars(DecodeWorker).items() if inspect.isfunction(v)]
+    assert len(methods) <= 12, methods

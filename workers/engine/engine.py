@@ -32,12 +32,14 @@ from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import GraphCapture
 from workers.engine.model_runner import GraphSettings, ModelRunner
 from workers.engine.request import (
+    ErrorKind,
     FinishReason,
     Request,
     RequestStatus,
     SamplingParams,
     choice_id,
     choice_index,
+    split_choice,
 )
 from workers.engine.scheduler import Scheduler
 from workers.engine.scheduler_output import SampledToken
@@ -64,12 +66,14 @@ class RequestOutput:
     # Only for requests that asked for top_logprobs: per new token, (token id, logprob) pairs.
     new_top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
     index: int = 0  # which of the request's n choices (request_id is the request's own)
+    error_kind: ErrorKind | None = None  # with FinishReason.ERROR: why, for a status
 
 
 @dataclass(frozen=True)
 class EngineStats:
     kv_blocks_total: int
     kv_blocks_free: int
+    kv_blocks_reservable: int  # the most one request can hold: the total less the watermark
     running: int
     waiting: int
     reserved: int
@@ -186,11 +190,10 @@ class LLMEngine:
         a sequence that exists nor one that a request here will fork."""
         sched = self.scheduler
         taken = [choice_id(request_id, i) for i in range(n)]
-        parent = sched.requests.get(request_id.rpartition("#")[0])
+        parent_of, index = split_choice(request_id)
+        parent = sched.requests.get(parent_of) if index else None
         if any(t in sched.requests or t in sched.reserved for t in taken) or (
-            parent is not None
-            and parent.forks_pending
-            and 0 < choice_index(request_id) < parent.sampling.n
+            parent is not None and parent.forks_pending and index < parent.sampling.n
         ):
             raise ValueError(f"request id {request_id!r} is already in use (or a choice's)")
 
@@ -391,6 +394,7 @@ class LLMEngine:
         return EngineStats(
             kv_blocks_total=self.pool.num_blocks,
             kv_blocks_free=self.pool.num_free_blocks,
+            kv_blocks_reservable=self.pool.num_blocks - sched.kv.watermark_blocks,
             running=len(sched.running),
             waiting=len(sched.waiting),
             reserved=len(sched.reserved),
@@ -417,7 +421,7 @@ class LLMEngine:
             error = f"{type(e).__name__}: {e}"
             for s in out.scheduled:
                 req = self.scheduler.finish_request(
-                    s.request_id, RequestStatus.FINISHED_ERROR, error
+                    s.request_id, RequestStatus.FINISHED_ERROR, error, ErrorKind.STEP_FAILED
                 )
                 if req is not None:
                     results += self._ended_with_error(req, error)
@@ -467,14 +471,18 @@ class LLMEngine:
             req.kept_blocks,
             new_top_logprobs=new(req.output_top_logprobs) if sp.top_logprobs else None,
             index=req.index,
+            error_kind=req.error_kind,
         )
 
     def _ended_with_error(self, req: Request, message: str) -> list[RequestOutput]:
         """The last output of a request that failed; of all its choices if none forked yet."""
         self._stops.pop(req.request_id, None)
         indices = range(req.sampling.n) if req.forks_pending else [req.index]
-        rid = req.parent_id or req.request_id
-        return [RequestOutput(rid, [], True, FinishReason.ERROR, message, index=i) for i in indices]
+        rid, kind = req.parent_id or req.request_id, req.error_kind
+        return [
+            RequestOutput(rid, [], True, FinishReason.ERROR, message, index=i, error_kind=kind)
+            for i in indices
+        ]
 
     def _blocks_for_memory(self, model) -> int:
         cfg = model.cfg

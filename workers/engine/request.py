@@ -40,6 +40,13 @@ class FinishReason(str, enum.Enum):
         }[status]
 
 
+class ErrorKind(str, enum.Enum):
+    """Why a request ended in error, for whoever maps it to a status (never its message)."""
+
+    TOO_BIG = "too_big"  # needs more KV blocks than the worker has in all
+    STEP_FAILED = "step_failed"  # the model step it was in raised
+
+
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM's default
 MAX_N = 64  # parallel samples of one prompt
 
@@ -167,10 +174,21 @@ def choice_id(request_id: str, index: int) -> str:
     return request_id if index == 0 else f"{request_id}#{index}"
 
 
+def split_choice(choice: str) -> tuple[str, int]:
+    """(the request's id, the index) that a `choice_id` names; a request's own id is its
+    choice 0. The one place a choice id is taken apart."""
+    parent, sep, index = choice.rpartition("#")
+    if sep and index.isdigit() and int(index) > 0:
+        return parent, int(index)
+    return choice, 0
+
+
 def choice_index(choice: str) -> int:
-    """The index a `choice_id` names (0 for a request's own id)."""
-    _, sep, index = choice.rpartition("#")
-    return int(index) if sep and index.isdigit() else 0
+    return split_choice(choice)[1]
+
+
+def parent_id(choice: str) -> str:
+    return split_choice(choice)[0]
 
 
 @dataclass
@@ -191,6 +209,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at last admission
     num_preemptions: int = 0
     error: str | None = None
+    error_kind: ErrorKind | None = None
     # End the request, as if max_tokens were reached, once it has this many output tokens
     # (a prefill worker samples one token past what it was given, then hands the KV on).
     # Such a request draws with every sampling parameter but never ends on EOS, a stop

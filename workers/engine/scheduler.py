@@ -31,7 +31,7 @@ from workers.engine.config import SchedulerConfig
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.pacing import DecodePacer
 from workers.engine.policy import make_policy
-from workers.engine.request import Request, RequestStatus, choice_id, choice_seed
+from workers.engine.request import ErrorKind, Request, RequestStatus, choice_id, choice_seed
 from workers.engine.scheduler_output import SampledToken, ScheduledRequest, SchedulerOutput
 
 
@@ -72,14 +72,21 @@ class Scheduler:
         self.policy.register(req)
         self.waiting.append(req)
 
-    def finish_request(self, request_id: str, status: RequestStatus, error: str | None = None):
-        """End a request now, releasing its blocks at once. Unknown or ended ids are ignored."""
+    def finish_request(
+        self,
+        request_id: str,
+        status: RequestStatus,
+        error: str | None = None,
+        kind: ErrorKind | None = None,
+    ):
+        """End a request now, releasing its blocks at once. Unknown or ended ids are ignored.
+        An error's `kind` says why, for its status (the message is for people)."""
         assert status.is_finished
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
         req.status = status
-        req.error = error
+        req.error, req.error_kind = error, kind
         was_running = req in self.running
         if was_running:
             self.running.remove(req)
@@ -270,7 +277,7 @@ class Scheduler:
 
     def _fail_unfittable(self, req: Request, out: SchedulerOutput) -> None:
         error = f"request needs more than the {self.pool.num_blocks} KV blocks of this worker"
-        self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, error)
+        self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, error, ErrorKind.TOO_BIG)
         out.failed.append((req, error))
 
     def update_from_output(

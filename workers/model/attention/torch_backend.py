@@ -46,11 +46,14 @@ class TorchAttentionBackend(AttentionBackend):
                 self.paged_decode = self.kernel.paged_decode_attention
                 self.name = "torch+cpu-kernel"
         elif use_kernel and device.type == "cuda":
-            from workers.model.attention import triton_decode
+            from workers.model.attention.triton_decode import (
+                paged_decode_attention,
+                triton_unavailable,
+            )
 
-            why = triton_decode.triton_unavailable()
+            why = triton_unavailable()
             if why is None:
-                self.paged_decode = triton_decode.paged_decode_attention
+                self.paged_decode = paged_decode_attention
                 # Any block stride: it asks only that K and V be alike and dense in head_dim,
                 # as every layer's pair of views is.
                 self._in_place = lambda k_cache, v_cache: True
