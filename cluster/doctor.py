@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.config import ClusterConfig
+from kv_transfer.torch_dist import NCCL_MIN_TORCH, version_before
 from workers.model.flash_rules import FLASH_DTYPES, FLASH_PAGE_MULTIPLE
 
 
@@ -120,7 +121,7 @@ def _needs(r: Report, cfg: ClusterConfig, torch_version, cuda, gpus, nccl, flash
         if cfg.mode == "disaggregated":
             if nccl is None:
                 r.missing.append("NCCL: CUDA KV transfers need a torch build with NCCL")
-            if _older(torch_version, (2, 6)):
+            if version_before(torch_version, NCCL_MIN_TORCH):
                 r.missing.append(
                     f"torch >= 2.6 for NCCL KV transfers (this is {torch_version}): older "
                     "ones ignore a wait's timeout"
@@ -149,11 +150,6 @@ def _needs(r: Report, cfg: ClusterConfig, torch_version, cuda, gpus, nccl, flash
             r.missing.append("redis-server: not on PATH (install it, or give --redis-url)")
     else:
         r.needs.append(("Redis", _redis_ping(cfg.redis.url, r)))
-
-
-def _older(torch_version: str, least: tuple[int, int]) -> bool:
-    parts = torch_version.split("+")[0].split(".")[:2]
-    return tuple(int(p) for p in parts) < least
 
 
 def _nccl(torch) -> str | None:
@@ -203,7 +199,7 @@ def _ray_auth(ray_version: str | None) -> str:
     )
     if mode:
         auth = f"auth mode {mode} (RAY_AUTH_MODE)"
-    elif _older(ray_version, (2, 60)):
+    elif version_before(ray_version, (2, 60)):
         auth = "no token auth by default in this version"
     else:
         auth = "token auth by default for local clusters"

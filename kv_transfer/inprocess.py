@@ -50,9 +50,11 @@ class InProcessChannel(KVChannel):
                 f"peer sent {tuple(got.shape)} {got.dtype}, "
                 f"expected {tuple(handle.shape)} {handle.dtype}"
             )
-        device_streams(handle.device).wait(made)
+        streams = device_streams(handle.device)
+        streams.wait(made)
         with torch.no_grad():
             handle.copy_(got)
+        streams.keep(got)  # made on the sender's stream, read on ours
 
     def close(self):
         self._closed = True

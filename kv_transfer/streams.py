@@ -45,6 +45,11 @@ class StreamOps:
     def wait(self, event: object | None) -> None:
         """The current stream runs nothing more until `event` has happened (None: at once)."""
 
+    def keep(self, tensor: torch.Tensor) -> None:
+        """`tensor`, made on another stream, stays allocated until what the current stream
+        has queued so far has run (the caching allocator otherwise reuses its memory on the
+        stream that made it as soon as it is freed)."""
+
     def drain(self, stream: object | None, timeout_s: float) -> bool:
         """Wait up to timeout_s for everything queued on `stream` to run; whether it has."""
         return True
@@ -55,7 +60,7 @@ NoStreams = StreamOps
 
 class CudaStreams(StreamOps):
     def __init__(self, device: torch.device) -> None:
-        self.device = device
+        self.device = indexed(device)
 
     def bind(self) -> None:
         torch.cuda.set_device(self.device)
@@ -75,6 +80,9 @@ class CudaStreams(StreamOps):
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
 
+    def keep(self, tensor) -> None:
+        tensor.record_stream(torch.cuda.current_stream(self.device))
+
     def drain(self, stream, timeout_s: float) -> bool:
         # Polled, not stream.synchronize(): a kernel that never ends (a dead NCCL peer's)
         # must not hang the caller.
@@ -84,6 +92,17 @@ class CudaStreams(StreamOps):
                 return False
             time.sleep(0.001)
         return True
+
+
+def indexed(device: torch.device | str) -> torch.device:
+    """`device` with its index: plain "cuda" means whichever GPU the calling thread has
+    current, which `torch.cuda.set_device` refuses to take and which another thread may see
+    differently; so it is pinned, once, to the GPU current here (under Ray, the one GPU a
+    worker is given is index 0)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def device_streams(device: torch.device) -> StreamOps:

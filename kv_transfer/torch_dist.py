@@ -9,15 +9,22 @@ down and replaced by the next generation.
 
 NCCL, made to fail like gloo does, in the caller and never by killing the process:
 - the communicator is created in the handshake, not at the first transfer: both ranks check
-  in through the store, then exchange one element, all within the timeout; init is
+  in through the store, then exchange one element, each step within the timeout (so a
+  handshake that fails late takes up to about three timeouts); init is
   non-blocking (`config.blocking = 0`), so a rank whose peer never arrives gives up at
   TORCH_NCCL_NONBLOCKING_TIMEOUT instead of waiting inside NCCL for ever;
-- blocking wait: each wait holds the calling thread until its operation completes or its
-  timeout passes, then aborts the communicator and raises there. There is then no watchdog
-  thread, and so nothing that tears the process down when a peer dies; asynchronous error
-  handling 2 (abort the communicator, keep the process), with the heartbeat monitor and the
-  dump-then-exit path off, stands behind it should blocking wait ever be switched off;
-- the group's own timeout is longer than any wait's, so a wait's timeout always fires first;
+- blocking wait: a wait holds the calling thread until its operation completes or its
+  timeout passes, then aborts the communicator and raises there. Under blocking wait torch
+  turns asynchronous error handling off, so its watchdog only marks a late operation failed
+  and never tears the process down; error handling 2 (abort the communicator, keep the
+  process), with the heartbeat monitor and the dump-then-exit path off, stands behind it
+  should blocking wait ever be switched off;
+- NCCL counts an operation's timeout from when it was posted, gloo from when it is waited
+  for. A receiver posts every layer as soon as the header is in, then waits for each as the
+  sender's model computes it, so each wait here is given the time since its post on top:
+  timeout_s always means "this long with nothing arriving", as with gloo;
+- the group's own timeout (the watchdog's, also counted from the post) is only a backstop,
+  past the longest a transfer may take;
 - torch >= 2.6: before it, `Work.wait(timeout)` ignored the timeout.
 Every operation runs on the pair's own CUDA stream (kv_transfer/streams.py).
 """
@@ -27,6 +34,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -53,9 +61,19 @@ def nccl_environment(timeout_s: float) -> dict[str, str]:
     return {**NCCL_ENV, "TORCH_NCCL_NONBLOCKING_TIMEOUT": str(max(1, round(timeout_s)))}
 
 
+TRANSFER_LIMIT_S = 3600.0  # no transfer, prefill of its prompt included, takes longer
+
+
 def group_timeout(timeout_s: float) -> datetime.timedelta:
-    """The process group's own timeout: past every wait's, so a wait's fires first."""
-    return datetime.timedelta(seconds=2 * timeout_s + 30)
+    """The process group's own timeout, counted from each operation's post: past the longest
+    transfer, so that only a wait's timeout ever fires."""
+    return datetime.timedelta(seconds=TRANSFER_LIMIT_S + 2 * timeout_s)
+
+
+def version_before(version: str, least: tuple[int, int]) -> bool:
+    """Whether a version string ("2.13.0+cpu") is older than major.minor `least`."""
+    parts = version.split("+")[0].split(".")[:2]
+    return tuple(int(p) for p in parts) < least
 
 
 def store_server(host: str) -> dist.TCPStore:
@@ -90,6 +108,7 @@ class PairGroup(KVChannel):
         self.peer = 1 - rank
         self._closed = False
         self.pg = None
+        self._posted: dict[int, float] = {}  # NCCL: id(work) -> when it was posted
         self.streams = device_streams(device)
         self.streams.bind()
         self.stream = self.streams.new_stream()
@@ -132,6 +151,9 @@ class PairGroup(KVChannel):
         return self._post(lambda: self.pg.recv([tensor], self.peer, 0), "recv")
 
     def wait(self, handle, timeout_s):
+        posted = self._posted.pop(id(handle), None)
+        if posted is not None:  # NCCL: its clock started at the post (see the module's doc)
+            timeout_s += time.monotonic() - posted
         try:
             if not handle.wait(datetime.timedelta(seconds=timeout_s)):
                 raise TimeoutError("did not complete")
@@ -148,11 +170,13 @@ class PairGroup(KVChannel):
         NCCL's abort ends them; what the pair's stream still holds must run out too.
         TransferError if it does not within timeout_s (the buffers may still be written)."""
         self.streams.bind()
-        for h in handles:
-            try:
-                h.wait(datetime.timedelta(seconds=timeout_s))
-            except Exception:  # over: the connection is gone
-                log.debug("pair %s: an abandoned receive ended", self.prefix, exc_info=True)
+        with self.streams.using(self.stream):  # a wait orders the current stream after it
+            for h in handles:
+                self._posted.pop(id(h), None)
+                try:
+                    h.wait(datetime.timedelta(seconds=timeout_s))
+                except Exception:  # over: the connection is gone
+                    log.debug("pair %s: an abandoned receive ended", self.prefix, exc_info=True)
         if not self.streams.drain(self.stream, timeout_s):
             raise TransferError(f"pair {self.prefix}: its stream still runs {timeout_s:.0f} s on")
 
@@ -160,10 +184,13 @@ class PairGroup(KVChannel):
         if self._closed:
             raise TransferError(f"pair group {self.prefix} is closed")
         try:
-            return fn()
+            work = fn()
         except Exception as e:
             self.close()
             raise TransferError(f"{what} on pair {self.prefix} failed: {e}") from e
+        if self.backend == "nccl":
+            self._posted[id(work)] = time.monotonic()
+        return work
 
     def close(self):
         if self._closed:
@@ -180,8 +207,7 @@ class PairGroup(KVChannel):
 def _nccl_group(store: dist.Store, rank: int, timeout_s: float):
     if not dist.is_nccl_available():
         raise TransferError("CUDA KV transfer needs NCCL, which this torch build lacks")
-    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    if version < NCCL_MIN_TORCH:
+    if version_before(torch.__version__, NCCL_MIN_TORCH):
         raise TransferError(
             f"NCCL KV transfer needs torch >= 2.6 (this is {torch.__version__}): before it, "
             "a wait's timeout is ignored and a dead peer hangs the worker"

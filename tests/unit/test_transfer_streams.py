@@ -8,14 +8,18 @@ that bound the device first."""
 
 import threading
 from contextlib import contextmanager
+from types import SimpleNamespace
 
+import pytest
 import torch
 
+from kv_transfer import torch_dist
 from kv_transfer.channel import PagedBlocks, recv_kv, send_kv
 from kv_transfer.inprocess import InProcessChannel
 from kv_transfer.layout import KVLayout
 from kv_transfer.protocol import TransferDescriptor
-from kv_transfer.streams import StreamOps
+from kv_transfer.streams import StreamOps, indexed
+from kv_transfer.torch_dist import PairGroup
 from workers.kv_sender import LayerProgress
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
@@ -179,3 +183,81 @@ def test_layer_progress_records_on_the_marking_thread_and_waits_on_the_host_only
     progress.mark(3)
     assert progress.event(3) == "engine-event-2" and progress.event(2) == "engine-event-2"
     assert [e[1] for e in log] == ["record", "record"]  # no wait: the host never syncs
+
+
+class FakeWork:
+    """An NCCL-like operation: records the timeout its wait is given and the stream the
+    waiting thread is on."""
+
+    def __init__(self, streams: RecordingStreams) -> None:
+        self.streams = streams
+        self.waits: list[tuple[float, str]] = []
+
+    def wait(self, timeout):
+        self.waits.append((timeout.total_seconds(), self.streams.on_stream()))
+        return True
+
+
+class FakeGroup:
+    def __init__(self, streams: RecordingStreams) -> None:
+        self.streams = streams
+
+    def send(self, tensors, peer, tag):
+        return FakeWork(self.streams)
+
+    recv = send
+
+
+def bare_pair(device: str) -> PairGroup:
+    """A PairGroup on `device` around a fake process group: its own bookkeeping alone."""
+    g = PairGroup.__new__(PairGroup)
+    g.prefix, g.rank, g.peer, g.device = "pair/t/1", 1, 0, torch.device(device)
+    g._closed, g._posted = False, {}
+    g.streams = RecordingStreams([], "receiver")
+    g.stream = g.streams.new_stream()
+    g.pg = FakeGroup(g.streams)
+    return g
+
+
+def test_cuda_without_an_index_is_pinned_to_the_current_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    with pytest.raises(ValueError):  # what set_device makes of a bare "cuda"
+        torch.cuda._utils._get_device_index(torch.device("cuda"))
+    assert indexed("cuda") == torch.device("cuda", 3)
+    assert torch.cuda._utils._get_device_index(indexed(torch.device("cuda"))) == 3
+    assert indexed("cuda:1") == torch.device("cuda", 1)
+    assert indexed("cpu") == torch.device("cpu")
+
+
+def test_an_nccl_wait_counts_its_timeout_from_the_wait_not_the_post(monkeypatch):
+    """NCCL's clock starts at the post; a receive posted while the sender's model still
+    computes must get timeout_s from when it is waited for, as with gloo."""
+    now = [100.0]
+    monkeypatch.setattr(torch_dist, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    g = bare_pair("cuda")
+    early, late = g.post_recv(torch.zeros(1)), g.post_recv(torch.zeros(1))
+    now[0] += 40.0  # the prefill of a long prompt
+    g.wait(early, 5)
+    now[0] += 2.0
+    g.wait(late, 5)
+    assert early.waits[0][0] == pytest.approx(45.0)
+    assert late.waits[0][0] == pytest.approx(47.0)
+    assert not g._posted  # nothing kept once waited for
+    assert torch_dist.group_timeout(5).total_seconds() > 45.0  # the backstop stays behind
+
+
+def test_a_gloo_wait_gets_its_timeout_as_given():
+    g = bare_pair("cpu")
+    work = g.post_send(torch.zeros(1))
+    g.wait(work, 5)
+    assert work.waits[0][0] == 5.0
+
+
+def test_settle_waits_for_abandoned_receives_on_the_pair_stream():
+    """A wait orders the waiting thread's current stream after the operation: settling
+    must do that to the pair's stream, never to the engine's."""
+    g = bare_pair("cuda")
+    handles = [g.post_recv(torch.zeros(1)) for _ in range(3)]
+    g.settle(handles, 1)
+    assert [w[1] for h in handles for w in h.waits] == ["receiver-pair-stream"] * 3
+    assert not g._posted

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kv_transfer.layout import KVLayout
+from kv_transfer.streams import indexed
 from workers.engine.block_pool import BlockPool
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import GraphCapture
@@ -105,7 +106,7 @@ class LLMEngine:
         config = self.config = config.resolve()
         if config.num_threads and config.device == "cpu":
             torch.set_num_threads(config.num_threads)
-        device = torch.device(config.device)
+        device = indexed(config.device)  # "cuda" pinned to a GPU: set_device needs its index
         if device.type == "cuda":
             torch.cuda.set_device(device)  # this thread's current device: the loop's
         self.source = resolve_model(config.model) if model is None or tokenizer is None else None
