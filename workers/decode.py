@@ -170,11 +170,11 @@ class _LoopLanding:
     def admit(self, spec: RequestSpec, first: tuple[FirstToken, ...], landed) -> None:
         self.worker.on_loop(self.worker.held.admit, spec, first, landed)
 
-    def fail(self, rid: str, attempt: int, message: str) -> None:
-        self.worker.loop.call(self.worker.held.fail, rid, attempt, message)
+    def fail(self, rid: str, attempt: int, message: str, landed=None) -> None:
+        self.worker.loop.call(self.worker.held.fail, rid, attempt, message, landed)
 
-    def cancel(self, rid: str, notify: bool, attempt: int | None) -> bool:
-        return self.worker.on_loop(self.worker.held.cancel, rid, notify, attempt)
+    def cancel(self, rid: str, notify: bool, attempt: int | None, landed=None) -> bool:
+        return self.worker.on_loop(self.worker.held.cancel, rid, notify, attempt, landed)
 
     def hold(self, blocks: list[int]) -> None:
         self.worker.on_loop(self.worker.engine.hold_kv, blocks)

@@ -97,9 +97,9 @@ class HeldRequests:
         KV is in its blocks; the engine's stream waits on it before any step reads them."""
         rid = spec.request_id
         held = self._held.get(rid)
+        self.streams.wait(landed)
         if held is None or held.attempt != spec.attempt or held.reserved_until is None:
             return  # cancelled or superseded while the KV was in flight
-        self.streams.wait(landed)
         if len(first) != spec.choices:
             self.fail(rid, spec.attempt, f"{rid}: {len(first)} first tokens, not {spec.choices}")
             return
@@ -133,8 +133,11 @@ class HeldRequests:
             events.append(_event(out, cid, spec.attempt, self._held.pop(cid).offset))
         self.relay.emit(events)
 
-    def fail(self, rid: str, attempt: int, message: str) -> None:
-        """This attempt failed here (its KV never came whole): UNAVAILABLE, to be replayed."""
+    def fail(self, rid: str, attempt: int, message: str, landed=None) -> None:
+        """This attempt failed here (its KV never came whole): UNAVAILABLE, to be replayed.
+        `landed`: the event after which a transfer that did complete has written its blocks;
+        they are not given back before it."""
+        self.streams.wait(landed)
         held = self._held.get(rid)
         if held is not None and held.attempt == attempt:
             self._end_here(rid, attempt, Status.UNAVAILABLE, FinishReason.ERROR, message)
@@ -158,8 +161,12 @@ class HeldRequests:
         return True
 
     # -- ends --------------------------------------------------------------------------------
-    def cancel(self, rid: str, notify: bool = False, attempt: int | None = None) -> bool:
-        """Drop a request (see DecodeWorker.cancel for `notify` and `attempt`)."""
+    def cancel(
+        self, rid: str, notify: bool = False, attempt: int | None = None, landed=None
+    ) -> bool:
+        """Drop a request (see DecodeWorker.cancel for `notify` and `attempt`; `landed` as
+        for `fail`)."""
+        self.streams.wait(landed)
         held = self._held.get(rid)
         if held is not None and attempt is not None and held.attempt > attempt:
             return False  # a newer attempt of the request, not the one this cancel means

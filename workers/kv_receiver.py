@@ -43,9 +43,12 @@ class Landing(Protocol):
 
     def admit(self, spec: RequestSpec, first: tuple[FirstToken, ...], landed) -> None: ...
 
-    def fail(self, rid: str, attempt: int, message: str) -> None: ...
+    def fail(self, rid: str, attempt: int, message: str, landed=None) -> None:
+        """`landed`, here and in `cancel`: a completed transfer's event, which the engine
+        waits on before the blocks it wrote are given back (staged layers are scattered
+        into them on the transfer's stream, perhaps still running)."""
 
-    def cancel(self, rid: str, notify: bool, attempt: int | None) -> bool: ...
+    def cancel(self, rid: str, notify: bool, attempt: int | None, landed=None) -> bool: ...
 
     def hold(self, blocks: list[int]) -> None:
         """An extra reference on blocks (RuntimeError if nothing holds them any more)."""
@@ -166,10 +169,10 @@ class KVReceiver:
             seconds = time.perf_counter() - t0
             cancelled, failed = self._done(rid)
             if failed is not None:  # the sender gave up meanwhile: its report stands
-                self.landing.fail(rid, *failed)
+                self.landing.fail(rid, *failed, landed=side.landed)
                 return PushResult(rid, False, error=failed[1])
             if cancelled is not None:
-                self.landing.cancel(rid, *cancelled)
+                self.landing.cancel(rid, *cancelled, landed=side.landed)
                 return PushResult(rid, True, seconds)
             self.landing.admit(spec, first, side.landed)
             return PushResult(rid, True, seconds)
