@@ -138,10 +138,19 @@ def check_out_in_place(device: str) -> None:
     assert (backing[:, 0] == 7).all(), "a write outside out="
 
 
+def check_first_launch(device: str) -> None:
+    from workers.model.attention.triton_decode import triton_refusal
+
+    for heads, kv_heads, dim in HEADS:
+        why = triton_refusal(torch.device(device), torch.bfloat16, heads, kv_heads, dim, 16)
+        assert why is None, f"H={heads} KVH={kv_heads} D={dim}: refused: {why}"
+
+
 CHECKS = {
     "reference": check_reference,
     "batch_invariance": check_batch_invariance,
     "out_in_place": check_out_in_place,
+    "first_launch": check_first_launch,
 }
 
 
@@ -215,3 +224,35 @@ def test_cuda_graph_replay_follows_new_lengths() -> None:
     torch.cuda.synchronize()
     err = excess_error(out, c)
     assert err <= 0, f"replay: error {err:.3g} past the tolerance"
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim, named",
+    [(32, 1, 64, "groups of 1..16"), (9, 2, 64, "groups of 1..16"), (8, 8, 512, "head_dim 512")],
+)
+def test_shapes_the_kernel_does_not_take_are_refused_before_any_launch(heads, kv_heads, dim, named):
+    from workers.model.attention.triton_decode import triton_refusal
+
+    why = triton_refusal(torch.device("cpu"), torch.bfloat16, heads, kv_heads, dim, 16)
+    assert why is not None and named in why
+
+
+def test_a_kernel_that_cannot_compile_leaves_cuda_decodes_on_sdpa(monkeypatch):
+    """Found at start, as the backend is built, never at the first decode step."""
+    from workers.model.attention import triton_decode
+    from workers.model.attention.base import HeadShape
+    from workers.model.attention.torch_backend import TorchAttentionBackend
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Failed to find C compiler. Please specify via CC\nmore")
+
+    monkeypatch.setattr(triton_decode, "triton_unavailable", lambda: None)
+    monkeypatch.setattr(triton_decode, "paged_decode_attention", no_compiler)
+    why = triton_decode.triton_refusal(torch.device("cpu"), torch.bfloat16, 9, 3, 64, 256)
+    assert (
+        why
+        == "its first launch failed: RuntimeError: Failed to find C compiler. Please specify via CC"
+    )
+    shape = HeadShape(9, 3, 64, 256, torch.bfloat16)
+    backend = TorchAttentionBackend(torch.device("cuda"), shape=shape)
+    assert backend.paged_decode is None and not backend.graph_safe

@@ -66,7 +66,14 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         dtype = next(model.parameters()).dtype
-        self.backend = select_backend(attention_backend, device, dtype, block_size, cfg.head_dim)
+        self.backend = select_backend(
+            attention_backend,
+            device,
+            dtype,
+            block_size,
+            cfg.head_dim,
+            (cfg.num_heads, cfg.num_kv_heads),
+        )
         self.backend.check_block_size(block_size)
         dtype_name = str(dtype).removeprefix("torch.")
         self.layout = KVLayout(

@@ -5,10 +5,12 @@ choice passes it over, and `tandem doctor` states the rule.
 The figures are flash-attn's own checks (csrc/flash_attn/flash_api.cpp): a paged K/V cache
 only in pages that are a multiple of 256 tokens ("Paged KV cache block size must be divisible
 by 256"), fp16 or bf16 only, head sizes up to 256 in multiples of 8, Ampere (sm80) or newer.
+The names of the attention backends are here too, so that the config checks them without torch.
 """
 
 from __future__ import annotations
 
+ATTENTION_BACKENDS = ("auto", "torch", "torch-sdpa", "flash-attn")
 FLASH_PAGE_MULTIPLE = 256
 FLASH_DTYPES = ("bfloat16", "float16")
 FLASH_MAX_HEAD_DIM = 256

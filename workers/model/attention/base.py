@@ -17,6 +17,18 @@ from dataclasses import dataclass, field
 import torch
 
 
+@dataclass(frozen=True)
+class HeadShape:
+    """What a backend must know of the model before its first step: its heads, their size,
+    and the cache's block size and dtype."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+
 @dataclass
 class PrefillSlice:
     """One sequence's prefill chunk within the step.
@@ -67,9 +79,7 @@ class AttentionMetadata:
     # lengths change at every replay), and a bound on them that holds for every replay.
     decode_lens_host: tuple[int, ...] = ()
     max_decode_len: int = 0
-    # Derived once per step and shared by all layers (backends fill these lazily).
-    decode_mask: torch.Tensor | None = None
-    # Flash-attn varlen inputs, built only by that backend.
+    # Flash-attn varlen inputs, built only by that backend (once per step, for all layers).
     extra: dict | None = None
     # (block, offset) of each row's slot, for writing K/V with torch ops (see slot_index).
     slot_blocks: tuple[torch.Tensor, torch.Tensor] | None = None

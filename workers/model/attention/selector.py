@@ -9,11 +9,10 @@ import logging
 
 import torch
 
-from workers.model.attention.base import AttentionBackend
-from workers.model.flash_rules import flash_refusal
+from workers.model.attention.base import AttentionBackend, HeadShape
+from workers.model.flash_rules import ATTENTION_BACKENDS, flash_refusal
 
 log = logging.getLogger(__name__)
-BACKENDS = ("auto", "torch", "torch-sdpa", "flash-attn")
 
 
 def choose_backend(
@@ -27,9 +26,9 @@ def choose_backend(
 ) -> tuple[str, str]:
     """(the backend to build, why: for `auto`, why flash-attn was or was not taken).
     `flash_missing`: why flash-attn cannot be imported here, or None if it can."""
-    if name not in BACKENDS:
+    if name not in ATTENTION_BACKENDS:
         raise ValueError(
-            f"attention backend {name!r} is unknown (choose from {', '.join(BACKENDS)})"
+            f"attention backend {name!r} is unknown (choose from {', '.join(ATTENTION_BACKENDS)})"
         )
     if name == "flash-attn" and device_type != "cuda":
         raise ValueError("the flash-attn backend runs on CUDA devices only; use --device cuda")
@@ -49,7 +48,10 @@ def select_backend(
     dtype: torch.dtype | None = None,
     block_size: int | None = None,
     head_dim: int | None = None,
+    heads: tuple[int, int] | None = None,
 ) -> AttentionBackend:
+    """The backend `name` picks on `device` for a model of `heads` (query heads, KV heads)
+    of head_dim, its cache in `dtype` blocks of block_size (each None: not checked)."""
     missing = capability = None
     if name == "auto" and device.type == "cuda":
         from workers.model.attention.flash_backend import flash_attn_unavailable
@@ -68,7 +70,10 @@ def select_backend(
         from workers.model.attention.torch_backend import TorchAttentionBackend
 
         # "torch-sdpa" keeps decode attention in SDPA even where a paged kernel is available.
-        backend = TorchAttentionBackend(device, use_kernel=chosen == "torch")
+        shape = None
+        if None not in (heads, head_dim, block_size, dtype):
+            shape = HeadShape(heads[0], heads[1], head_dim, block_size, dtype)
+        backend = TorchAttentionBackend(device, use_kernel=chosen == "torch", shape=shape)
     if name == "auto" and device.type == "cuda":
         log.info("attention on %s: %s (flash-attn: %s)", device, backend.name, why)
     return backend

@@ -25,7 +25,12 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from workers.model.attention.base import AttentionBackend, AttentionMetadata, PrefillSlice
+from workers.model.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    HeadShape,
+    PrefillSlice,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +38,11 @@ log = logging.getLogger(__name__)
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, device: torch.device, use_kernel: bool = True) -> None:
-        """use_kernel=False keeps decode attention on SDPA (for comparison)."""
+    def __init__(
+        self, device: torch.device, use_kernel: bool = True, shape: HeadShape | None = None
+    ) -> None:
+        """use_kernel=False keeps decode attention on SDPA (for comparison). On CUDA the
+        Triton kernel is tried at `shape` (the model's) before it is taken."""
         self.kernel = None  # Tandem's CPU kernels: slot writes, bf16 prefill, paged decode
         self.paged_decode = None  # (q, k_cache, v_cache, tables, lens, scale) -> out
         self._in_place = paged_blocks_contiguous  # what the paged decode asks of a cache
@@ -48,10 +56,21 @@ class TorchAttentionBackend(AttentionBackend):
         elif use_kernel and device.type == "cuda":
             from workers.model.attention.triton_decode import (
                 paged_decode_attention,
+                triton_refusal,
                 triton_unavailable,
             )
 
-            why = triton_unavailable()
+            if shape is None:
+                why = triton_unavailable()
+            else:
+                why = triton_refusal(
+                    device,
+                    shape.dtype,
+                    shape.heads,
+                    shape.kv_heads,
+                    shape.head_dim,
+                    shape.block_size,
+                )
             if why is None:
                 self.paged_decode = paged_decode_attention
                 # Any block stride: it asks only that K and V be alike and dense in head_dim,
@@ -60,8 +79,8 @@ class TorchAttentionBackend(AttentionBackend):
                 self.name = "torch+triton"
             else:
                 log.warning(
-                    "no Triton (%s): decode attention gathers each row's blocks for SDPA, "
-                    "and decode steps are not captured in CUDA graphs",
+                    "no Triton decode kernel (%s): decode attention gathers each row's "
+                    "blocks for SDPA, and decode steps are not captured in CUDA graphs",
                     why,
                 )
 

@@ -107,6 +107,43 @@ def _decode_kernel(
     tl.store(out + row * o_sb + head[:, None] * o_sh + d[None, :], o.to(dtype), mask=q_ok)
 
 
+def triton_refusal(
+    device: torch.device,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+) -> str | None:
+    """Why the kernel cannot serve a model of these shapes on `device`; None if it can.
+    Beyond the shapes it takes and triton's presence, it is launched once at these shapes, so
+    that a kernel that cannot compile here (no C compiler in the image, a GPU this triton does
+    not know) is found at start, not at the first decode step."""
+    group = heads // kv_heads if kv_heads else 0
+    if not kv_heads or heads % kv_heads or not 1 <= group <= GROUP_PAD:
+        return (
+            f"{heads} query heads over {kv_heads} KV heads: the kernel takes groups of "
+            f"1..{GROUP_PAD}"
+        )
+    if head_dim > MAX_HEAD_DIM:
+        return f"head_dim {head_dim}: the kernel takes up to {MAX_HEAD_DIM}"
+    why = triton_unavailable()
+    if why is not None:
+        return why
+    try:
+        q = torch.zeros(1, heads, head_dim, dtype=dtype, device=device)
+        cache = torch.zeros(1, 2, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+        tables = torch.zeros(1, 1, dtype=torch.long, device=device)
+        lens = torch.ones(1, dtype=torch.long, device=device)
+        paged_decode_attention(q, cache[:, 0], cache[:, 1], tables, lens, 1.0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as e:  # whatever the compiler or driver raised
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        return f"its first launch failed: {type(e).__name__}: {first}"
+    return None
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
