@@ -7,7 +7,8 @@ tandem generate --address HOST:PORT[,HOST:PORT...] [--requests FILE.jsonl] [--js
 tandem status --address HOST:PORT [--json]
 tandem doctor [--config F] [cluster flags] [--json]
 
-Only `up`, `router` and `generate --offline` load torch; the rest are thin gRPC clients.
+`up`, `router`, `generate --offline` and `doctor` (which reports what torch sees, starting
+nothing) load torch; the rest are thin gRPC clients.
 """
 
 from __future__ import annotations

@@ -207,6 +207,12 @@ class ClusterConfig:
                 )
             if device.startswith("cuda") and gpus < 1:
                 raise bad(name, f"{gpus:g}: engine.device={device!r} needs gpus >= 1 per worker")
+            if gpus > 1:
+                raise bad(
+                    name,
+                    f"{gpus:g}: a worker runs its model on one GPU (no tensor parallelism), "
+                    "so it would hold GPUs it never uses; add workers instead",
+                )
             if device == "cpu" and gpus:
                 raise bad(name, f"{gpus:g}: engine.device='cpu' would hold GPUs it never uses")
             index = int(device.partition(":")[2] or 0)

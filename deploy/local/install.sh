@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
 if ! "$PY" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
-  echo "[install] torch 2.13.0 (CPU build)"
+  echo "[install] torch 2.13.0 (the build the package index offers this machine)"
   pip_install torch==2.13.0
 fi
 echo "[install] tandem and its dev extras"

@@ -23,7 +23,7 @@ def test_a_cpu_config_finds_what_it_needs_here(capsys):
 
 
 def test_a_gpu_config_on_a_cpu_names_every_lack(capsys):
-    flags = ["--device", "cuda", "--prefill-gpus", "1", "--decode-gpus", "2"]
+    flags = ["--device", "cuda", "--prefill-gpus", "1", "--decode-gpus", "1", "--decode", "2"]
     report = examine(config(*flags))
     text = "\n".join(report.missing)
     assert "the pools want 3 (a whole GPU per worker), this machine has 0" in text
@@ -31,7 +31,7 @@ def test_a_gpu_config_on_a_cpu_names_every_lack(capsys):
     assert "NCCL" in text  # a CPU build of torch has none
     needs = dict(report.needs)
     assert needs["decode workers"] == (
-        "cuda, bfloat16, KV blocks of 256 tokens, attention auto, on 1 x 2 GPU"
+        "cuda, bfloat16, KV blocks of 256 tokens, attention auto, on 2 x 1 GPU"
     )
     assert main(["doctor", *flags, "--json"]) == 1
     out = json.loads(capsys.readouterr().out)

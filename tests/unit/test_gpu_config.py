@@ -45,6 +45,13 @@ def test_flash_attn_takes_its_own_pages_and_types():
         EngineConfig(attention_backend="flash-attn").resolve(cuda=False)
 
 
+def test_a_gpu_without_bf16_gets_fp16_unless_the_dtype_is_given():
+    older = EngineConfig().resolve(cuda=True, bf16=False)
+    assert (older.device, older.dtype, older.block_size) == ("cuda", "float16", 256)
+    assert EngineConfig(dtype="bfloat16").resolve(cuda=True, bf16=False).dtype == "bfloat16"
+    assert EngineConfig().resolve(cuda=False, bf16=False).dtype == "float32"
+
+
 @pytest.mark.parametrize(
     "engine, cuda, want",
     [
@@ -71,6 +78,7 @@ def test_auto_resolves_to_what_the_device_takes(engine, cuda, want):
         ({}, {"gpus": 1}, {"gpus": 1.5}, "decode.gpus: 1.5: GPUs are whole"),
         ({"device": "cpu"}, {"gpus": 1}, {}, "prefill.gpus: 1: engine.device='cpu'"),
         ({"device": "cuda:1"}, {"gpus": 1}, {"gpus": 1}, "engine.device: 'cuda:1'"),
+        ({"device": "cuda"}, {"gpus": 1}, {"gpus": 2}, "decode.gpus: 2: a worker runs its model"),
         ({}, {"gpus": 1}, {"gpus": 0}, "decode.gpus: the prefill pool runs on cuda"),
     ],
 )
@@ -90,7 +98,7 @@ def test_each_pool_runs_its_resolved_engine():
     assert (pe.device, pe.dtype, pe.block_size, pe.num_threads) == ("cpu", "float32", 16, 3)
     assert de.num_threads == 2  # its cpus
     # Colocated: only the decode pool runs, so the prefill pool's GPUs are not checked.
-    colo = cluster({"device": "cuda"}, {"gpus": 0}, {"gpus": 2}, mode="colocated")
+    colo = cluster({"device": "cuda"}, {"gpus": 0}, {"gpus": 1}, mode="colocated")
     assert colo.engine_for(Pool.DECODE).device == "cuda"
 
 

@@ -7,14 +7,14 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
-from workers.model.flash_rules import FLASH_PAGE_MULTIPLE, flash_refusal
+from workers.model.flash_rules import ATTENTION_BACKENDS, FLASH_PAGE_MULTIPLE, flash_refusal
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority", "shortest-first")
 BATCHING = ("continuous", "static")
-ATTENTION_BACKENDS = ("auto", "torch", "torch-sdpa", "flash-attn")
 # What "auto" resolves to on each kind of device: a dtype and block size every backend there
-# takes (flash-attn's pages are 256 tokens; the fallbacks take any size).
+# takes (flash-attn's pages are 256 tokens; the fallbacks take any size). On a GPU older than
+# sm80, which has no bf16 arithmetic, the dtype is float16 instead (`EngineConfig.resolve`).
 AUTO = {"cuda": ("bfloat16", FLASH_PAGE_MULTIPLE), "cpu": ("float32", 16)}
 
 
@@ -164,10 +164,12 @@ class EngineConfig:
                 f"{FLASH_PAGE_MULTIPLE} and bfloat16, or choose attention_backend auto)"
             )
 
-    def resolve(self, cuda: bool | None = None) -> EngineConfig:
+    def resolve(self, cuda: bool | None = None, bf16: bool | None = None) -> EngineConfig:
         """This config with device, dtype and block size fixed: `device: auto` is CUDA where
         `cuda` says a GPU is at hand (default: whether torch sees one), and the dtype and
-        block size left unset take that device's defaults, which every backend there takes."""
+        block size left unset take that device's defaults, which every backend there takes:
+        on CUDA, bfloat16 where the GPU computes in it (`bf16`; default: Ampere, sm80, or
+        newer, as torch reports), else float16."""
         device = self.device
         if device == "auto":
             if cuda is None:
@@ -175,7 +177,12 @@ class EngineConfig:
 
                 cuda = torch.cuda.is_available()
             device = "cuda" if cuda else "cpu"
-        dtype, block_size = AUTO[device.partition(":")[0]]
+        kind = device.partition(":")[0]
+        dtype, block_size = AUTO[kind]
+        if self.dtype == "auto" and kind == "cuda":
+            if bf16 is None:
+                bf16 = _gpu_computes_bf16(device)
+            dtype = "bfloat16" if bf16 else "float16"
         return replace(
             self,
             device=device,
@@ -200,3 +207,14 @@ class EngineConfig:
             batching=self.batching,
             max_model_len=max_model_len,
         )
+
+
+def _gpu_computes_bf16(device: str) -> bool:
+    """Whether this CUDA device computes in bfloat16 natively (sm80 or newer); assumed so
+    where no GPU is visible (a config checked on a head node)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return True
+    index = torch.device(device).index
+    return torch.cuda.get_device_capability(index) >= (8, 0)
