@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from kv_transfer.streams import indexed  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import LLMEngine  # noqa: E402
 from workers.engine.request import SamplingParams  # noqa: E402
@@ -177,10 +178,11 @@ def compare(ref, got, lp_tol: float, tie_tol: float) -> tuple[bool, str, int, fl
     return True, "", equal, gap
 
 
-def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+def prompts(n: int, length: int, seed: int, spread: int = 7) -> list[list[int]]:
+    """n random prompts, the i-th `length + spread * i` tokens long."""
     g = torch.Generator().manual_seed(seed)
     return [
-        torch.randint(100, SMOLLM2.vocab_size, (length + 7 * i,), generator=g).tolist()
+        torch.randint(100, SMOLLM2.vocab_size, (length + spread * i,), generator=g).tolist()
         for i in range(n)
     ]
 
@@ -396,6 +398,22 @@ except Exception as e:
 print("ALIVE")
 """
 
+NCCL_INIT_NEVER_JOINS = """
+import datetime, sys, time, torch
+sys.path.insert(0, {root!r})
+from kv_transfer.torch_dist import _nccl_group
+torch.cuda.set_device(0)
+store = torch.distributed.HashStore()
+pg = _nccl_group(store, 0, 3)  # rank 1 never comes: the communicator's init cannot finish
+t0 = time.monotonic()
+try:
+    pg.send([torch.ones(1, device="cuda")], 1, 0).wait(datetime.timedelta(seconds=3))
+    print("WAIT-RETURNED")
+except Exception as e:
+    print("RAISED", type(e).__name__, round(time.monotonic() - t0, 1), str(e)[:120])
+print("ALIVE")
+"""
+
 NEVER_JOINS = """
 import sys, time, torch
 sys.path.insert(0, {root!r})
@@ -411,7 +429,9 @@ print("ALIVE")
 """
 
 
-def _script(name: str, code: str, limit_s: float) -> tuple[bool, str, float]:
+def _script(name: str, code: str, limit_s: float, within_s: float) -> tuple[bool, str, float]:
+    """Run `code` in a process of its own: it must raise (printing RAISED and the seconds it
+    took, which must be at most within_s) and go on living (ALIVE)."""
     t0 = time.perf_counter()
     try:
         p = subprocess.run(
@@ -421,10 +441,14 @@ def _script(name: str, code: str, limit_s: float) -> tuple[bool, str, float]:
         return False, f"hung: no answer in {limit_s:.0f} s", time.perf_counter() - t0
     out = p.stdout.strip().splitlines()
     lines = [ln for ln in out if ln.split()[0] in ("RAISED", "WAIT-RETURNED", "FORMED")]
-    ok = p.returncode == 0 and out[-1:] == ["ALIVE"] and lines and lines[0].startswith("RAISED")
+    raised = bool(lines) and lines[0].startswith("RAISED")
+    took = float(lines[0].split()[2]) if raised else float("inf")
+    ok = p.returncode == 0 and out[-1:] == ["ALIVE"] and raised and took <= within_s
     detail = "; ".join(lines) or (p.stderr.strip().splitlines() or ["no output"])[-1]
     if p.returncode != 0:
         detail += f"; the process died (exit {p.returncode})"
+    elif raised and took > within_s:
+        detail += f"; later than the {within_s:g} s allowed"
     return ok, detail, time.perf_counter() - t0
 
 
@@ -438,7 +462,7 @@ def check_nccl(dev: torch.device) -> list[Result]:
 
         if not dist.is_nccl_available():
             return [Result("nccl", "FAIL", "this torch build has no NCCL")]
-        ok, detail, s = _script("stall", NCCL_STALL.format(root=root), 120)
+        ok, detail, s = _script("stall", NCCL_STALL.format(root=root), 120, 3)
         results.append(
             Result(
                 "nccl-stalled-op",
@@ -447,8 +471,17 @@ def check_nccl(dev: torch.device) -> list[Result]:
                 s,
             )
         )
+        ok, detail, s = _script("init", NCCL_INIT_NEVER_JOINS.format(root=root), 120, 8)
+        results.append(
+            Result(
+                "nccl-init-never-joins",
+                "PASS" if ok else "FAIL",
+                f"a send to a rank that never inits (non-blocking init, 3 s): {detail}",
+                s,
+            )
+        )
     else:
-        ok, detail, s = _script("stall", GLOO_STALL.format(root=root), 120)
+        ok, detail, s = _script("stall", GLOO_STALL.format(root=root), 120, 3)
         results.append(
             Result(
                 "gloo-stalled-op",
@@ -457,7 +490,7 @@ def check_nccl(dev: torch.device) -> list[Result]:
                 s,
             )
         )
-    ok, detail, s = _script("never", NEVER_JOINS.format(root=root, device=str(dev)), 120)
+    ok, detail, s = _script("never", NEVER_JOINS.format(root=root, device=str(dev)), 120, 8)
     name = "nccl-peer-never-joins" if dev.type == "cuda" else "gloo-peer-never-joins"
     results.append(Result(name, "PASS" if ok else "FAIL", f"a 3 s handshake: {detail}", s))
     return results
@@ -493,18 +526,24 @@ def check_graphs(models: Models, dev: torch.device, quick: bool) -> Result:
 
 
 def check_step_time(models: Models, dev: torch.device, quick: bool) -> Result:
-    """Median time of a decode step of bf16 rows with 128-token contexts (32 for --quick)."""
+    """Median time of a decode step of bf16 rows whose prompts are 128 tokens (32 for
+    --quick), all in the batch at once."""
     t0 = time.perf_counter()
     steps = 3 if dev.type == "cpu" else 50
     context = 32 if quick else 128
     modes = {"graphs": {}, "eager": {"cuda_graphs": False}} if dev.type == "cuda" else {"": {}}
+    block = 256 if dev.type == "cuda" else 16
+    # Each of 64 rows grows by the warm-up and timed steps: a block more than that, spare.
+    per_row = -(-(context + steps + 8) // block) + 1
     table = {}
     for mode, extra in modes.items():
-        engine = models.engine(dev, "bfloat16", max_num_seqs=64, **extra)
+        engine = models.engine(
+            dev, "bfloat16", max_num_seqs=64, num_kv_blocks=64 * per_row, **extra
+        )
         for batch in (1, 16, 64):
             ids = [
                 engine.add_request(p, SamplingParams(max_tokens=10_000, ignore_eos=True))
-                for p in prompts(batch, context, 9)
+                for p in prompts(batch, context, 9, spread=0)
             ]
             while engine.scheduler.waiting or any(
                 r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running
@@ -517,6 +556,8 @@ def check_step_time(models: Models, dev: torch.device, quick: bool) -> Result:
                 s = time.perf_counter()
                 engine.step()
                 times.append((time.perf_counter() - s) * 1e3)
+            if len(engine.scheduler.running) != batch:
+                raise RuntimeError(f"{len(engine.scheduler.running)} of {batch} rows running")
             for i in ids:
                 engine.abort(i)
             table[f"{mode + ' ' if mode else ''}batch {batch}"] = statistics.median(times)
@@ -555,6 +596,7 @@ def main(argv=None) -> int:
         print("no CUDA device here: run with --device cpu for the CPU's checks")
         return 2
     if dev.type == "cuda":
+        dev = indexed(dev)
         torch.cuda.set_device(dev)
     torch.manual_seed(0)
     models = Models()
