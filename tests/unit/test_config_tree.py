@@ -18,9 +18,9 @@ def other_value(leaf: config_io.Leaf):
     if "choices" in meta:
         return next(c for c in meta["choices"] if c != default)
     special = {
-        "engine.device": "cuda:1",
-        "prefill.gpus": 2.0,
-        "decode.gpus": 2.0,
+        "engine.device": "cuda:0",
+        "prefill.gpus": 1.0,
+        "decode.gpus": 1.0,
         "engine.model": "/models/llama",
         "engine.block_size": 32,
         "engine.max_model_len": 1024,
@@ -67,12 +67,12 @@ def nest(path, value):
 
 
 def companions(leaf, value) -> dict:
-    """What makes a field's value valid with the rest: fp16 needs CUDA; a CUDA worker, whole
-    GPUs of its own (cuda:1, two); both pools on one kind of device."""
+    """What makes a field's value valid with the rest: fp16 needs CUDA; a CUDA worker, a
+    whole GPU of its own; both pools on one kind of device."""
     if leaf.name == "engine.dtype" and value == "float16":
         return {"engine.device": "cuda", "prefill.gpus": 1.0, "decode.gpus": 1.0}
     if leaf.name == "engine.device":
-        return {"prefill.gpus": 2.0, "decode.gpus": 2.0}
+        return {"prefill.gpus": 1.0, "decode.gpus": 1.0}
     if leaf.name in ("prefill.gpus", "decode.gpus"):
         return {"prefill.gpus": value, "decode.gpus": value}
     return {}
