@@ -6,6 +6,7 @@ tandem generate --offline [--model M] [--dtype D] [--requests FILE.jsonl] [--jso
 tandem generate --address HOST:PORT[,HOST:PORT...] [--requests FILE.jsonl] [--json] [PROMPT]
 tandem status --address HOST:PORT [--json]
 tandem doctor [--config F] [cluster flags] [--json]
+tandem keys new --tenant T [--scopes generate,admin] | tandem keys hash < KEYFILE
 
 `up`, `router`, `generate --offline` and `doctor` (which reports what torch sees, starting
 nothing) load torch; the rest are thin gRPC clients.
@@ -141,6 +142,8 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from cluster.cli_remote import add_key_flags, cmd_drain, cmd_scale, cmd_status
+
     parser = argparse.ArgumentParser(
         prog="tandem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -155,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--concurrency", type=int, default=16, help="with --address")
     gen.add_argument("--timeout", type=float, default=600, help="seconds per request")
-    gen.add_argument("--token", help="bearer token, if the cluster requires one")
+    add_key_flags(gen)
     gen.add_argument("--requests", help="JSONL file, one request per line")
     gen.add_argument("--json", action="store_true", help="one JSON line per request, in order")
     gen.add_argument("--max-tokens", type=int, default=256, help="for a PROMPT (default 256)")
@@ -165,7 +168,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_flags(gen)
     gen.set_defaults(func=cmd_generate)
-    from cluster.cli_remote import cmd_drain, cmd_scale, cmd_status
     from cluster.cli_up import add_router_parser, add_up_parser
 
     add_up_parser(sub)
@@ -186,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="per-worker state of a running cluster")
     st.add_argument("--address", required=True)
     st.add_argument("--json", action="store_true")
-    st.add_argument("--token")
+    add_key_flags(st)
     st.set_defaults(func=cmd_status)
     sc = sub.add_parser(
         "scale",
@@ -200,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--decode", type=int, help="decode workers wanted (>= 1)")
     sc.add_argument("--timeout", type=float, default=600, help="seconds per pool (default 600)")
     sc.add_argument("--json", action="store_true")
-    sc.add_argument("--token")
+    add_key_flags(sc)
     sc.set_defaults(func=cmd_scale)
     dr = sub.add_parser(
         "drain",
@@ -212,9 +214,61 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--worker", required=True, help="its name, e.g. decode-1 (tandem status)")
     dr.add_argument("--drain-timeout", type=float, default=60, help="seconds (default 60)")
     dr.add_argument("--json", action="store_true")
-    dr.add_argument("--token")
+    add_key_flags(dr)
     dr.set_defaults(func=cmd_drain)
+    add_keys_parser(sub)
     return parser
+
+
+def add_keys_parser(sub) -> None:
+    keys = sub.add_parser(
+        "keys",
+        help="make API keys and the lines of a key file",
+        description="A router's key file (router.api_keys_file) holds each key only as its "
+        "SHA-256, with a tenant and scopes (generate, admin). `new` makes a key and prints it "
+        "once with its line; `hash` prints the line of a key you have (read from standard "
+        "input, so that it stays out of your shell's history).",
+    )
+    ks = keys.add_subparsers(dest="keys_command", required=True)
+    new = ks.add_parser("new", help="a new random key, and its key-file line")
+    new.add_argument("--tenant", required=True)
+    new.add_argument("--scopes", default="generate", help="comma-separated (default generate)")
+    new.set_defaults(func=_keys_new)
+    h = ks.add_parser("hash", help="the key-file line of a key read from standard input")
+    h.add_argument("--tenant", default="default")
+    h.add_argument("--scopes", default="generate", help="comma-separated (default generate)")
+    h.set_defaults(func=_keys_hash)
+
+
+def _key_line(key: str, args: argparse.Namespace) -> str:
+    from router.keys import SCOPES, TENANT, key_hash
+
+    scopes = [s.strip() for s in args.scopes.split(",") if s.strip()]
+    bad = [s for s in scopes if s not in SCOPES]
+    if not scopes or bad:
+        raise SystemExit(f"tandem keys: --scopes: from {', '.join(SCOPES)} (got {args.scopes!r})")
+    if not TENANT.fullmatch(args.tenant):
+        raise SystemExit("tandem keys: --tenant: 1-64 characters from letters, digits and . _ -")
+    return f"  - {{sha256: {key_hash(key)}, tenant: {args.tenant}, scopes: [{', '.join(scopes)}]}}"
+
+
+def _keys_new(args: argparse.Namespace) -> int:
+    import secrets
+
+    key = "tdm-" + secrets.token_urlsafe(32)
+    line = _key_line(key, args)
+    print(f"key (shown once; give it to the client, e.g. as TANDEM_API_KEY): {key}")
+    print(f"key file line (under keys:):\n{line}")
+    return 0
+
+
+def _keys_hash(args: argparse.Namespace) -> int:
+    key = sys.stdin.readline().strip()
+    if not key:
+        print("tandem keys hash: give the key on standard input", file=sys.stderr)
+        return 2
+    print(_key_line(key, args))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

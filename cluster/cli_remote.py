@@ -6,13 +6,37 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
+
+API_KEY_ENV = "TANDEM_API_KEY"
+
+
+def add_key_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--api-key-file",
+        help=f"a file holding the API key (default: the {API_KEY_ENV} environment variable)",
+    )
+    p.add_argument("--token", help=f"the API key itself (shows in ps: prefer {API_KEY_ENV})")
+
+
+def client_key(args: argparse.Namespace) -> str | None:
+    """The key a client command sends: --token, --api-key-file, else TANDEM_API_KEY."""
+    if args.token:
+        return args.token
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file) as f:
+                return f.read().strip() or None
+        except OSError as e:
+            raise SystemExit(f"tandem: cannot read --api-key-file: {e.strerror or e}") from None
+    return os.environ.get(API_KEY_ENV) or None
 
 
 async def generate_remote(args: argparse.Namespace, requests) -> int:
     from router.client import TandemClient, to_proto
 
-    client = TandemClient(args.address, args.token)
+    client = TandemClient(args.address, client_key(args))
     sem = asyncio.Semaphore(max(1, args.concurrency))
     results: dict[int, object] = {}
     printed = 0
@@ -71,7 +95,7 @@ async def _admin(args, what: str, calls) -> int:
 
     from router.client import TandemClient, status_to_dict
 
-    client = TandemClient(args.address, args.token)
+    client = TandemClient(args.address, client_key(args))
     done = {}
     try:
         for label, call in calls:
@@ -131,7 +155,7 @@ async def _status(args) -> int:
     from router.client import fetch_status
 
     try:
-        s = await fetch_status(args.address, args.token)
+        s = await fetch_status(args.address, client_key(args))
     except grpc.aio.AioRpcError as e:
         print(f"tandem status: {args.address}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1

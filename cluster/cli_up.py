@@ -42,6 +42,11 @@ def add_router_parser(sub) -> None:
     r.add_argument("--redis-url", required=True, help="the cluster's Redis")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=50052)
+    r.add_argument(
+        "--api-keys-file",
+        help="this router's API keys (a cluster with keys needs them on every router; "
+        "or the TANDEM_AUTH_TOKEN environment variable)",
+    )
     r.set_defaults(func=cmd_router)
 
 
@@ -66,7 +71,11 @@ def cmd_router(args: argparse.Namespace) -> int:
             {
                 "ray_address": args.ray_address,
                 "redis": {"url": args.redis_url},
-                "router": {"host": args.host, "port": args.port},
+                "router": {
+                    "host": args.host,
+                    "port": args.port,
+                    "api_keys_file": args.api_keys_file,
+                },
             },
             "flags",
         )

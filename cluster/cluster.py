@@ -27,6 +27,7 @@ from cluster.redis_server import EmbeddedRedis
 from cluster.state import RedisStore, redact
 from router.core import Router
 from router.http import OpenAIFront, start_http
+from router.keys import router_keys
 from router.server import start_server
 from workers.messages import Pool
 from workers.model.loader import DEFAULT_MODEL, read_model_config, resolve_model
@@ -81,6 +82,19 @@ def _use_ray_token(address: str) -> None:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
+SECRET = "<not stored>"
+
+
+def shared_config(cfg: ClusterConfig, redis_url: str) -> dict:
+    """The config as routers that join the cluster read it from Redis: no secret in it. The
+    Redis URL loses its password (a joining router has its own URL), and the auth token is
+    only marked as set, so that a router joining without keys of its own is refused."""
+    stored = config_io.to_mapping(replace(cfg, redis=replace(cfg.redis, url=redact(redis_url))))
+    if stored["router"].get("auth_token"):
+        stored["router"]["auth_token"] = SECRET
+    return stored
+
+
 class Cluster:
     def __init__(self, cfg: ClusterConfig, join: bool = False) -> None:
         """join=False: start the pools (tandem up); True: serve the pools that another
@@ -120,8 +134,7 @@ class Cluster:
                 progress(f"embedded Redis at {redis_url} (AOF in {self.redis.data_dir})")
             self.store = RedisStore(redis_url, cfg.redis.ttl_s, cfg.redis.timeout_s)
             await self.store.ping()
-            stored = replace(cfg, redis=replace(cfg.redis, url=redis_url))
-            await self.store.put_json(CONFIG_KEY, config_io.to_mapping(stored))
+            await self.store.put_json(CONFIG_KEY, shared_config(cfg, redis_url))
         self.pools = PoolManager(
             {p: self._pool_spec(p) for p in cfg.pools},
             self.store.token_log(),
@@ -155,13 +168,14 @@ class Cluster:
         await self.router.start()
         # The longest sequence the workers take: a longer one is refused here, as invalid.
         max_len = cfg.engine.context_len(model_cfg.max_position_embeddings)
+        keys = router_keys(cfg.router)
         self.server, self.port, self.controller = await start_server(
             self.router,
             cfg.router.port,
             max_len,
             model_cfg.vocab_size,
             cfg.mode,
-            cfg.router.auth_token,
+            keys,
             cfg.router.host,
         )
         progress(f"router {self.router.id} listening on {self.address}")
@@ -189,7 +203,7 @@ class Cluster:
                 cfg.engine.model or DEFAULT_MODEL,
                 max_len,
                 model_cfg.vocab_size,
-                cfg.router.auth_token,
+                keys,
             )
             self.http, self.http_port = await start_http(
                 front, cfg.router.host, cfg.router.http_port
@@ -205,6 +219,7 @@ class Cluster:
             p.cpus,
             p.gpus,
             tuple(sorted(p.resources.items())),
+            p.max_replicas,
         )
 
     async def _joined_config(self, cfg: ClusterConfig) -> ClusterConfig:
@@ -214,7 +229,20 @@ class Cluster:
                 f"no Tandem cluster config in Redis at {redact(cfg.redis.url)}: start the "
                 "cluster with `tandem up` first, pointing it at this Redis"
             )
-        stored["router"] = {**stored["router"], "host": cfg.router.host, "port": cfg.router.port}
+        if stored["router"].get("auth_token") or stored["router"].get("api_keys_file"):
+            if router_keys(cfg.router) is None:
+                raise ValueError(
+                    "the cluster's routers require API keys: give this one its own "
+                    "(--api-keys-file, or the TANDEM_AUTH_TOKEN environment variable)"
+                )
+        # Its own keys, never any from Redis (which holds none: see shared_config).
+        stored["router"] = {
+            **stored["router"],
+            "host": cfg.router.host,
+            "port": cfg.router.port,
+            "auth_token": cfg.router.auth_token,
+            "api_keys_file": cfg.router.api_keys_file,
+        }
         stored["redis"] = {**stored["redis"], "url": cfg.redis.url}
         stored["ray_address"] = cfg.ray_address
         return config_io.build(ClusterConfig, stored, "the cluster config in Redis")

@@ -19,7 +19,18 @@ class RouterConfig:
         metadata=_h("OpenAI-compatible HTTP port on the same host (off unless set; 0 picks one)"),
     )
     auth_token: str | None = field(
-        default=None, metadata=_h("require 'authorization: Bearer <token>' on every call")
+        default=None,
+        metadata=_h(
+            "one key with every scope, of the tenant 'default' (a flag shows in ps: prefer "
+            "the TANDEM_AUTH_TOKEN environment variable or api_keys_file)"
+        ),
+    )
+    api_keys_file: str | None = field(
+        default=None,
+        metadata=_h(
+            "YAML file of API keys, each as its SHA-256 with a tenant and scopes "
+            "(`tandem keys new`); with it or auth_token, every call needs a key"
+        ),
     )
     max_in_flight: int = field(default=256, metadata=_h("requests generating at once"))
     max_queue: int = field(

@@ -30,17 +30,28 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from aiohttp import web
 
 from router.api import tandem_pb2 as pb
+from router.auth import GENERATE, bearer, scoped_id
 from router.core import Router
 from router.errors import RouterError
+from router.keys import KeyRing
 from router.stream import Chunk
-from router.validation import Admission, InvalidRequest, validate
+from router.validation import (
+    Admission,
+    InvalidRequest,
+    check_prompt_text,
+    message_bytes_limit,
+    validate,
+)
 from workers.messages import Status
 
 log = logging.getLogger(__name__)
+# The caller's tenant, as its key says, kept on each aiohttp request (RequestKey: 3.13 on).
+TENANT = web.RequestKey("tenant", str) if hasattr(web, "RequestKey") else "tandem.tenant"
 
 HTTP_STATUS = {
     Status.INVALID_ARGUMENT: 400,
@@ -98,18 +109,20 @@ class OpenAIFront:
         model_name: str,
         max_model_len: int,
         vocab_size: int,
-        auth_token: str | None = None,
+        keys: KeyRing | None = None,
     ) -> None:
         self.router = router
         self.tokenizer = router.tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.auth_token = auth_token
+        self.keys = keys
         self.created = int(time.time())
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=64 << 20)
+        # JSON may spell one character in 6 bytes (a \u escape).
+        body_limit = 6 * message_bytes_limit(self.max_model_len)
+        app = web.Application(middlewares=[self._errors], client_max_size=body_limit)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
@@ -119,9 +132,15 @@ class OpenAIFront:
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         try:
-            if request.path != "/health" and self.auth_token:
-                if request.headers.get("Authorization") != f"Bearer {self.auth_token}":
+            if request.path != "/health" and self.keys is not None:
+                # Before the body is read: a stranger's bytes are never parsed.
+                header = request.headers.get("Authorization")
+                who = self.keys.principal(bearer([("authorization", header)]))
+                if who is None:
                     raise HttpError(401, "missing or wrong API key (Authorization: Bearer ...)")
+                if request.method == "POST" and not who.may(GENERATE):
+                    raise HttpError(403, f"this key (tenant {who.tenant}) may not generate")
+                request[TENANT] = who.tenant
             return await handler(request)
         except HttpError as e:
             return e.response()
@@ -170,7 +189,10 @@ class OpenAIFront:
             adm = validate(msg, self.tokenizer, self.max_model_len, self.vocab_size)
         except (InvalidRequest, ValueError) as e:
             raise HttpError(400, str(e)) from None
-        reply = Reply(self, adm, chat, body, len(ids))
+        client_id, tenant = adm.request_id, request.get(TENANT)
+        if tenant is not None:  # the key's tenant, never the body's
+            adm = replace(adm, request_id=scoped_id(tenant, client_id), tenant=tenant)
+        reply = Reply(self, adm, chat, body, len(ids), client_id)
         chunks = self._chunks(adm, body.get("deadline_s"))
         try:
             if body.get("stream"):
@@ -232,6 +254,12 @@ class OpenAIFront:
         finally:
             await stream.aclose()  # the router cancels a request whose caller went away
 
+    def _check_text(self, name: str, texts) -> None:
+        try:
+            check_prompt_text(name, texts, self.max_model_len)
+        except InvalidRequest as e:
+            raise HttpError(400, str(e), name) from None
+
     def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
         if chat:
             messages = body.get("messages")
@@ -242,6 +270,7 @@ class OpenAIFront:
                 if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
                     raise HttpError(400, "messages: each needs a role and content", "messages")
                 turns.append({"role": m["role"], "content": _content(m.get("content"))})
+            self._check_text("messages", [t["content"] for t in turns])
             try:
                 return self.tokenizer.encode_messages(turns)
             except Exception as e:  # no template, or the template refuses these roles
@@ -250,6 +279,7 @@ class OpenAIFront:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str) and prompt:
+            self._check_text("prompt", prompt)
             return self.tokenizer.encode(_check_unicode(prompt, "prompt"))
         if (
             isinstance(prompt, list)
@@ -301,10 +331,16 @@ class Reply:
     n > 1, one choice per completion, by index."""
 
     def __init__(
-        self, front: OpenAIFront, adm: Admission, chat: bool, body: dict, prompt_tokens: int
+        self,
+        front: OpenAIFront,
+        adm: Admission,
+        chat: bool,
+        body: dict,
+        prompt_tokens: int,
+        client_id: str,
     ):
         self.front, self.chat = front, chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + adm.request_id
+        self.id = ("chatcmpl-" if chat else "cmpl-") + client_id
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
         # Chat: logprobs is a flag; completions: the number of alternatives (0 included).

@@ -1,5 +1,6 @@
 """The gRPC face of the router: Generation and Admin services, standard health checking and
-server reflection (so grpcurl and load balancers work), optional bearer-token auth.
+server reflection (so grpcurl and load balancers work), and API keys checked at the door
+(router/auth.py).
 
 Every failure leaves as a gRPC status: RouterError carries one, a failed request's last chunk
 carries one, and a request is never returned as a truncated success.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import replace
 
 import grpc
 from google.protobuf.unknown_fields import UnknownFieldSet
@@ -18,25 +20,17 @@ from grpc_reflection.v1alpha import reflection
 from router import convert
 from router.api import tandem_pb2 as pb
 from router.api import tandem_pb2_grpc as pb_grpc
+from router.auth import AuthInterceptor, bearer, caller, scoped_id
 from router.client import FINAL_KEY
 from router.controller import Controller
 from router.core import Router
+from router.directory import PoolRefusal
 from router.errors import RouterError
-from router.validation import InvalidRequest, validate
+from router.keys import KeyRing
+from router.validation import InvalidRequest, message_bytes_limit, validate
 from workers.messages import Pool, Status
 
 log = logging.getLogger(__name__)
-
-
-def _check_auth(context, token: str | None) -> None:
-    if not token:
-        return
-    meta = dict(context.invocation_metadata())
-    if meta.get("authorization") != f"Bearer {token}":
-        raise RouterError(
-            Status.UNAUTHENTICATED,
-            "missing or wrong bearer token (send metadata authorization: Bearer <token>)",
-        )
 
 
 class Malformed:
@@ -109,21 +103,28 @@ def _failed(chunk) -> RouterError | None:
 
 class GenerationService(pb_grpc.GenerationServicer):
     def __init__(
-        self, router: Router, max_model_len: int, vocab_size: int, auth_token: str | None = None
+        self, router: Router, max_model_len: int, vocab_size: int, keys: KeyRing | None = None
     ) -> None:
         self.router = router
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.auth_token = auth_token
+        self.keys = keys
+
+    def _tenant(self, context) -> str | None:
+        """The caller's tenant, from its key (None: no keys)."""
+        who = caller(self.keys, context)
+        return None if who is None else who.tenant
 
     async def Generate(self, request, context):
         try:
-            _check_auth(context, self.auth_token)
             _reject_malformed(request)
             try:
                 adm = validate(request, self.router.tokenizer, self.max_model_len, self.vocab_size)
             except (InvalidRequest, ValueError) as e:
                 raise RouterError(Status.INVALID_ARGUMENT, str(e)) from None
+            client_id, tenant = adm.request_id, self._tenant(context)
+            if tenant is not None:  # the key's tenant, never the request's own say
+                adm = replace(adm, request_id=scoped_id(tenant, client_id), tenant=tenant)
             completion = [0] * adm.sampling.n  # per choice
             async with contextlib.aclosing(self.router.generate(adm)) as chunks:
                 async for chunk in chunks:
@@ -132,30 +133,30 @@ class GenerationService(pb_grpc.GenerationServicer):
                         # the stream cancels the others at once
                     completion[chunk.index] += len(chunk.token_ids)
                     yield convert.response(
-                        adm.request_id, chunk, len(adm.prompt_ids), completion[chunk.index]
+                        client_id, chunk, len(adm.prompt_ids), completion[chunk.index]
                     )
         except RouterError as e:
             await _abort(context, e)
 
     async def Cancel(self, request, context):
         try:
-            _check_auth(context, self.auth_token)
             _reject_malformed(request)
-            return pb.CancelResponse(found=await self.router.cancel(request.request_id))
+            rid = scoped_id(self._tenant(context), request.request_id)
+            return pb.CancelResponse(found=await self.router.cancel(rid))
         except RouterError as e:
             await _abort(context, e)
 
     async def Resume(self, request, context):
         """A request's tokens from `offset`, then the live ones, to its end."""
         try:
-            _check_auth(context, self.auth_token)
             _reject_malformed(request)
-            rid, total = request.request_id, request.offset
+            client_id, total = request.request_id, request.offset
+            rid = scoped_id(self._tenant(context), client_id)
             async for chunk in self.router.resume(rid, request.offset, request.index):
                 if (err := _failed(chunk)) is not None:
                     raise err
                 total += len(chunk.token_ids)
-                yield convert.response(rid, chunk, 0, total)
+                yield convert.response(client_id, chunk, 0, total)
         except RouterError as e:
             await _abort(context, e)
 
@@ -166,21 +167,14 @@ class AdminService(pb_grpc.AdminServicer):
         router: Router,
         controller: Controller,
         mode: str,
-        auth_token: str | None = None,
         status_timeout_s: float = 0.5,
     ) -> None:
         self.router = router
         self.controller = controller
         self.mode = mode
-        self.auth_token = auth_token
         self.status_timeout_s = status_timeout_s
 
     async def Status(self, request, context):
-        try:
-            _check_auth(context, self.auth_token)
-        except RouterError as e:
-            await _abort(context, e)
-            return
         router = self.router
         me = router.status()
         out = pb.StatusResponse(
@@ -213,7 +207,9 @@ class AdminService(pb_grpc.AdminServicer):
             raise RouterError(
                 Status.UNAVAILABLE, "no controller router is known now; retry in a few seconds"
             )
-        metadata = [("authorization", f"Bearer {self.auth_token}")] if self.auth_token else None
+        # The caller's own key goes on: the controller checks it as this router did.
+        key = bearer(context.invocation_metadata())
+        metadata = [("authorization", f"Bearer {key}")] if key else None
         async with grpc.aio.insecure_channel(address) as channel:
             stub = pb_grpc.AdminStub(channel)
             try:
@@ -225,7 +221,6 @@ class AdminService(pb_grpc.AdminServicer):
 
     async def Scale(self, request, context):
         try:
-            _check_auth(context, self.auth_token)
             if request.pool not in ("prefill", "decode"):
                 raise RouterError(
                     Status.INVALID_ARGUMENT, f"pool {request.pool!r}: prefill or decode"
@@ -239,6 +234,8 @@ class AdminService(pb_grpc.AdminServicer):
             try:
                 directory = self.router.fleet.directory
                 names = await directory.scale(Pool(request.pool), request.replicas)
+            except PoolRefusal as e:  # nothing changed
+                raise RouterError(e.status, str(e)) from None
             except ValueError as e:
                 raise RouterError(Status.RESOURCE_EXHAUSTED, str(e)) from None
             return pb.ScaleResponse(workers=names)
@@ -247,13 +244,15 @@ class AdminService(pb_grpc.AdminServicer):
 
     async def Drain(self, request, context):
         try:
-            _check_auth(context, self.auth_token)
             if not self.controller.leader:
                 return await self._forward("Drain", request, context)
             directory = self.router.fleet.directory
             if directory.get(request.worker) is None:
                 raise RouterError(Status.NOT_FOUND, f"no worker named {request.worker!r}")
-            ok, message = await directory.drain(request.worker, request.timeout_s or 60)
+            try:
+                ok, message = await directory.drain(request.worker, request.timeout_s or 60)
+            except PoolRefusal as e:
+                raise RouterError(e.status, str(e)) from None
             return pb.DrainResponse(drained=ok, message=message)
         except RouterError as e:
             await _abort(context, e)
@@ -265,19 +264,23 @@ async def start_server(
     max_model_len: int,
     vocab_size: int,
     mode: str,
-    auth_token: str | None = None,
+    keys: KeyRing | None = None,
     host: str = "127.0.0.1",
 ):
     """Binds, starts the services and the router's controller duties; returns (server,
-    bound port, controller)."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    bound port, controller). With `keys`, every call but health checks and reflection needs
+    one (router/auth.py)."""
+    server = grpc.aio.server(
+        interceptors=[AuthInterceptor(keys)] if keys is not None else None,
+        options=[("grpc.max_receive_message_length", message_bytes_limit(max_model_len))],
+    )
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"cannot listen on {host}:{port} (in use?)")
     advertised = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     controller = Controller(router, f"{advertised}:{bound}")
-    _add_generation(GenerationService(router, max_model_len, vocab_size, auth_token), server)
-    pb_grpc.add_AdminServicer_to_server(AdminService(router, controller, mode, auth_token), server)
+    _add_generation(GenerationService(router, max_model_len, vocab_size, keys), server)
+    pb_grpc.add_AdminServicer_to_server(AdminService(router, controller, mode), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (

@@ -20,21 +20,25 @@ def cluster_config(**values) -> ClusterConfig:
     return config_io.build(ClusterConfig, values, "test config")
 
 
-def one_by_one(data_dir: str, engine: dict | None = None, **router) -> ClusterHarness:
+def one_by_one(
+    data_dir: str, engine: dict | None = None, key: str | None = None, **router
+) -> ClusterHarness:
     """One prefill and one decode worker with 256 KV blocks each, the router on free ports
-    (plus `engine` and `router` fields, e.g. http_port=0)."""
+    (plus `engine` and `router` fields, e.g. http_port=0); the harness's client sends `key`."""
     return ClusterHarness(
         cluster_config(
             router={"port": 0, **router},
             dashboard=False,
             engine={"num_kv_blocks": 256, **(engine or {})},
             data_dir=data_dir,
-        )
+        ),
+        key,
     )
 
 
 class ClusterHarness:
-    def __init__(self, cfg: ClusterConfig) -> None:
+    def __init__(self, cfg: ClusterConfig, key: str | None = None) -> None:
+        self.key = key
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -43,7 +47,7 @@ class ClusterHarness:
         self.client = self.run(self._client())
 
     async def _client(self) -> TandemClient:
-        return TandemClient(self.cluster.address)
+        return TandemClient(self.cluster.address, self.key)
 
     @property
     def address(self) -> str:

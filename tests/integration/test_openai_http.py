@@ -10,6 +10,7 @@ import pytest
 
 from router.api import tandem_pb2 as pb
 from router.http import OpenAIFront, start_http
+from router.keys import KeyRing
 from tests.integration.harness import CHATS, one_by_one
 
 pytestmark = pytest.mark.integration
@@ -159,7 +160,7 @@ def test_errors_carry_their_http_status(cluster, client, kwargs, status, fragmen
 
 
 def test_auth_with_the_same_token_as_grpc(cluster):
-    front = OpenAIFront(cluster.cluster.router, MODEL, 8192, 49152, auth_token="s3cret")
+    front = OpenAIFront(cluster.cluster.router, MODEL, 8192, 49152, KeyRing.build(None, "s3cret"))
     runner, port = cluster.run(start_http(front, "127.0.0.1", 0))
     try:
         base = f"http://127.0.0.1:{port}/v1"
