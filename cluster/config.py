@@ -100,11 +100,29 @@ class PoolConfig:
         default_factory=dict,
         metadata=_h("custom Ray resources each worker needs, e.g. prefill=1 (name=value,...)"),
     )
+    max_replicas: int = field(
+        default=64,
+        metadata=_h(
+            "the most workers the pool may have: a larger Scale is refused, and a larger "
+            "target found in the store is cut to it"
+        ),
+    )
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
             raise ValueError(f"replicas={self.replicas}: must be >= 0")
+        if self.max_replicas < 1:
+            raise ValueError(f"max_replicas={self.max_replicas}: must be >= 1")
+        if self.replicas > self.max_replicas:
+            raise ValueError(
+                f"replicas={self.replicas}: more than max_replicas={self.max_replicas}"
+            )
+        if self.autoscale.enabled and self.autoscale.max_replicas > self.max_replicas:
+            raise ValueError(
+                f"autoscale.max_replicas={self.autoscale.max_replicas}: more than "
+                f"max_replicas={self.max_replicas}"
+            )
         if self.cpus < 0 or self.gpus < 0:
             raise ValueError(f"cpus={self.cpus}, gpus={self.gpus}: must be >= 0")
         if self.threads is not None and self.threads < 1:

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import ray
 
-from router.directory import Listener, PoolEvent, WorkerRef
+from router.directory import Listener, PoolEvent, PoolRefusal, WorkerRef
 from workers.engine.config import EngineConfig
-from workers.messages import Pool, PoolStatus, TokenLog, WorkerInfo
+from workers.messages import Pool, PoolStatus, Status, TokenLog, WorkerInfo
 from workers.metrics import PoolEvents
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class PoolSpec:
     cpus: float = 1.0
     gpus: float = 0.0
     resources: tuple[tuple[str, float], ...] = ()  # custom Ray resources per worker
+    max_replicas: int = 64  # the most workers the pool may have
 
 
 class PoolManager:
@@ -318,11 +319,25 @@ class PoolManager:
             return
         for p in Pool:
             if state and p.value in state.get("targets", {}) and p in self.targets:
-                self.targets[p] = int(state["targets"][p.value])
+                self.targets[p] = self._within_limit(p, state["targets"][p.value])
             if state and p.value in state.get("restarts", {}):
                 self.restarts[p] = int(state["restarts"][p.value])
             if state and p.value in state.get("autoscale", {}) and not self.control:
                 self.autoscale_notes[p] = state["autoscale"][p.value]
+
+    def _within_limit(self, pool: Pool, stored) -> int:
+        """A target read from the store, cut to the pool's limit (whoever wrote it)."""
+        try:
+            target = int(stored)
+        except (TypeError, ValueError):
+            log.warning("%s pool: stored target %r is not a number; kept %d", pool.value,
+                        stored, self.targets[pool])  # fmt: skip
+            return self.targets[pool]
+        limit = self.specs[pool].max_replicas
+        if not 0 <= target <= limit:
+            log.warning("%s pool: stored target %d cut to [0, max_replicas=%d]", pool.value,
+                        target, limit)  # fmt: skip
+        return min(max(target, 0), limit)
 
     async def refresh(self) -> None:
         """Learn of workers another router's pool manager started, of ones now gone, and of
@@ -362,8 +377,13 @@ class PoolManager:
 
     # -- operator actions -------------------------------------------------------------------
     async def scale(self, pool: Pool, replicas: int, drain_timeout_s: float = 60.0) -> list[str]:
-        if replicas < 0:
-            raise ValueError(f"replicas={replicas}: must be >= 0")
+        limit = self.specs[pool].max_replicas
+        if not 0 <= replicas <= limit:
+            raise PoolRefusal(
+                Status.INVALID_ARGUMENT,
+                f"replicas={replicas}: the {pool.value} pool takes 0..{limit} workers "
+                f"({pool.value}.max_replicas)",
+            )
         async with self._locks[pool]:
             before = self.targets.get(pool, 0)
             self.targets[pool] = replicas
@@ -409,8 +429,14 @@ class PoolManager:
         if w is None:
             return False, f"no worker named {name}"
         before = self.targets.get(w.pool, 0)
-        w.draining = True
         others = [m for m in self.members(w.pool) if m is not w and not m.draining]
+        if not others and w.alive and not w.draining:
+            raise PoolRefusal(
+                Status.FAILED_PRECONDITION,
+                f"{name} is the {w.pool.value} pool's last live worker: draining it would "
+                "leave no worker to serve (scale the pool up first)",
+            )
+        w.draining = True
         self.targets[w.pool] = min(before, len(others))  # it shrinks
         try:
             await self.save()

@@ -9,7 +9,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from workers.messages import DecodeEndpoint, Pool, PoolStatus, WorkerInfo
+from workers.messages import DecodeEndpoint, Pool, PoolStatus, Status, WorkerInfo
+
+
+class PoolRefusal(ValueError):
+    """A scale or drain refused before anything changed: `status` says how (INVALID_ARGUMENT
+    for a size past the pool's limit, FAILED_PRECONDITION for draining its last worker)."""
+
+    def __init__(self, status: Status, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class PoolEvent(str, enum.Enum):
@@ -62,10 +71,12 @@ class WorkerDirectory(Protocol):
     def pool_status(self) -> list[PoolStatus]: ...
 
     async def scale(self, pool: Pool, replicas: int) -> list[str]:
-        """Grow or shrink (by draining) a pool; returns its members' names."""
+        """Grow or shrink (by draining) a pool; returns its members' names. PoolRefusal,
+        with nothing changed, past the pool's max_replicas."""
 
     async def drain(self, name: str, timeout_s: float) -> tuple[bool, str]:
-        """Stop routing to a worker, let its requests end, then stop it."""
+        """Stop routing to a worker, let its requests end, then stop it. PoolRefusal for
+        the pool's last live worker."""
 
     async def heal(self) -> None:
         """Replace dead workers so that each pool returns to its target size (run by the

@@ -14,7 +14,29 @@ from router.api import tandem_pb2 as pb
 from workers.engine.request import SamplingParams
 from workers.messages import RequestSpec
 
-_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+# Ids: no ":" (Redis's key separator), "/" (a tenant's scope) or "#" (a choice's index).
+_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+# What one request may ask, each limit named in its refusal. Every stop string is matched
+# against every token of the request on the decode loop, and every stop id checked: bounded
+# so that one request cannot stall the loop it shares.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
+# A prompt's text is refused unread past this many bytes per token of the model's context:
+# no text that long could fit it, and tokenizing it would hold the router's event loop.
+MAX_PROMPT_BYTES_PER_TOKEN = 64
+
+
+def prompt_bytes_limit(max_model_len: int) -> int:
+    """The longest prompt text, in UTF-8 bytes, a router reads for this context."""
+    return MAX_PROMPT_BYTES_PER_TOKEN * max_model_len
+
+
+def message_bytes_limit(max_model_len: int) -> int:
+    """The largest request message or body a router takes for this context: the longest
+    prompt (as text, or as ids of at most 5 bytes each) and its sampling parameters."""
+    return max(prompt_bytes_limit(max_model_len), 5 * max_model_len) + (1 << 20)
 
 
 class InvalidRequest(ValueError):
@@ -50,9 +72,10 @@ def decimal_of_float32(x: float) -> float:
 def validate(msg: pb.GenerateRequest, tokenizer, max_model_len: int, vocab_size: int) -> Admission:
     rid = msg.request_id or uuid.uuid4().hex
     if not _ID.match(rid):
-        raise InvalidRequest("request_id: use 1-64 characters from letters, digits and . _ : -")
+        raise InvalidRequest("request_id: use 1-64 characters from letters, digits and . _ -")
     if msg.prompt and msg.prompt_ids:
         raise InvalidRequest("give either prompt or prompt_ids, not both")
+    _check_costs(msg, max_model_len)
     if msg.prompt_ids:
         ids = list(msg.prompt_ids)
         bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -119,3 +142,44 @@ def validate(msg: pb.GenerateRequest, tokenizer, max_model_len: int, vocab_size:
     except ValueError as e:  # SamplingParams names the field and the rule
         raise InvalidRequest(f"sampling.{e}") from None
     return Admission(rid, tuple(ids), sampling, msg.priority, msg.tenant)
+
+
+def check_prompt_text(name: str, texts: str | list[str], max_model_len: int) -> None:
+    """Refuse prompt text (one string, or a chat's contents) too long to fit the context,
+    before it is tokenized."""
+    limit = prompt_bytes_limit(max_model_len)
+    parts = [texts] if isinstance(texts, str) else texts
+    if (
+        sum(len(t) for t in parts) > limit
+        or sum(len(t.encode("utf-8", "surrogatepass")) for t in parts) > limit
+    ):
+        raise InvalidRequest(
+            f"{name}: over {limit} bytes, more than fits the model's context of "
+            f"{max_model_len} tokens (limit: {MAX_PROMPT_BYTES_PER_TOKEN} bytes a token)"
+        )
+
+
+def _check_costs(msg: pb.GenerateRequest, max_model_len: int) -> None:
+    """Refuse, before any work, what would cost without bound: each limit named."""
+    check_prompt_text("prompt", msg.prompt, max_model_len)
+    s = msg.sampling
+    if len(s.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(
+            f"sampling.stop: {len(s.stop)} strings, at most {MAX_STOP_STRINGS} (max_stop_strings)"
+        )
+    long = [x for x in s.stop if len(x) > MAX_STOP_CHARS]
+    if long:
+        raise InvalidRequest(
+            f"sampling.stop: a string of {len(long[0])} characters, at most {MAX_STOP_CHARS} "
+            "(max_stop_chars)"
+        )
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(
+            f"sampling.stop_token_ids: {len(s.stop_token_ids)} ids, at most "
+            f"{MAX_STOP_TOKEN_IDS} (max_stop_token_ids)"
+        )
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(
+            f"sampling.logit_bias: {len(s.logit_bias)} entries, at most {MAX_LOGIT_BIAS} "
+            "(max_logit_bias)"
+        )

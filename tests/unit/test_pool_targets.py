@@ -7,15 +7,16 @@ import asyncio
 
 import pytest
 
-from cluster.pools import PoolManager
+from cluster.pools import PoolManager, PoolSpec
 from router.directory import WorkerRef
+from workers.engine.config import EngineConfig
 from workers.messages import Pool
 
 P = Pool.DECODE
 
 
 def manager(live: int, dead: int = 0) -> PoolManager:
-    pm = PoolManager({}, None)
+    pm = PoolManager({P: PoolSpec(1, EngineConfig())}, None)
     for i in range(live + dead):
         name = f"decode-{i}"
         pm.workers[P][name] = WorkerRef(name, P, None, None, alive=i < live)

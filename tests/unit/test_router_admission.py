@@ -2,13 +2,13 @@
 bearer tokens."""
 
 import asyncio
+import re
 
 import pytest
 
 from router.config import RouterConfig
 from router.core import Router
 from router.errors import RouterError
-from router.server import _check_auth
 from router.validation import Admission
 from workers.engine.request import SamplingParams
 from workers.messages import Pool, PoolStatus, Status
@@ -56,23 +56,6 @@ def test_full_queue_is_resource_exhausted_and_empty_pools_unavailable():
     assert empty.status is Status.UNAVAILABLE and "scale it" in empty.message
 
 
-class Ctx:
-    def __init__(self, meta):
-        self.meta = meta
-
-    def invocation_metadata(self):
-        return self.meta
-
-
-def test_bearer_token_is_checked():
-    _check_auth(Ctx([]), None)  # no token configured: open
-    _check_auth(Ctx([("authorization", "Bearer s3cret")]), "s3cret")
-    for meta in ([], [("authorization", "Bearer wrong")], [("authorization", "s3cret")]):
-        with pytest.raises(RouterError) as e:
-            _check_auth(Ctx(meta), "s3cret")
-        assert e.value.status is Status.UNAUTHENTICATED
-
-
 def test_validation_takes_the_decimal_a_float32_field_came_from_and_names_bad_fields():
     from router.api import tandem_pb2 as pb
     from router.validation import InvalidRequest, validate
@@ -92,3 +75,53 @@ def test_validation_takes_the_decimal_a_float32_field_came_from_and_names_bad_fi
     ]:
         with pytest.raises(InvalidRequest, match=name):
             validate(pb.GenerateRequest(prompt_ids=[1, 2], sampling=bad), None, 100, 1000)
+
+
+class CountingTokenizer:
+    """Counts what it is asked to tokenize: a refused prompt must never get here."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def encode_chat(self, text: str) -> list[int]:
+        self.calls += 1
+        return [1] * 3
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"sampling": {"stop": ["x"] * 17}}, "17 strings, at most 16 (max_stop_strings)"),
+        ({"sampling": {"stop": ["y" * 257]}}, "257 characters, at most 256 (max_stop_chars)"),
+        ({"sampling": {"stop_token_ids": list(range(257))}}, "257 ids, at most 256"),
+        ({"sampling": {"logit_bias": {i: 1.0 for i in range(1025)}}}, "(max_logit_bias)"),
+        ({"prompt": "é" * 3300}, "prompt: over 6400 bytes"),  # 3300 chars, 6600 bytes
+        ({"prompt": "a" * 6401}, "limit: 64 bytes a token"),
+        ({"request_id": "acme/job-1"}, "request_id: use 1-64 characters"),
+        ({"request_id": "tandem:req:x"}, "request_id: use 1-64 characters"),
+        ({"request_id": "job#1"}, "request_id: use 1-64 characters"),
+    ],
+)
+def test_each_cost_limit_is_refused_before_any_work_naming_itself(fields, named):
+    from router.api import tandem_pb2 as pb
+    from router.validation import InvalidRequest, validate
+
+    sampling = pb.SamplingParams(**fields.pop("sampling", {}))
+    msg = pb.GenerateRequest(sampling=sampling, **{"prompt": "Hello", **fields})
+    tok = CountingTokenizer()
+    with pytest.raises(InvalidRequest, match=re.escape(named)):
+        validate(msg, tok, 100, 1000)
+    assert tok.calls == 0  # refused unread
+
+
+def test_requests_at_the_limits_are_taken():
+    from router.api import tandem_pb2 as pb
+    from router.validation import message_bytes_limit, validate
+
+    sampling = pb.SamplingParams(
+        stop=["z" * 256] * 16, stop_token_ids=list(range(256)), max_tokens=4
+    )
+    msg = pb.GenerateRequest(request_id="A.b_c-9", prompt="a" * 6400, sampling=sampling)
+    adm = validate(msg, CountingTokenizer(), 100, 1000)
+    assert len(adm.sampling.stop) == 16 and adm.request_id == "A.b_c-9"
+    assert msg.ByteSize() < message_bytes_limit(100)  # the largest valid message gets in
