@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -39,7 +40,12 @@ def add_router_parser(sub) -> None:
         "requests of a router that died.",
     )
     r.add_argument("--ray-address", required=True, help="the Ray cluster (HOST:PORT or auto)")
-    r.add_argument("--redis-url", required=True, help="the cluster's Redis")
+    r.add_argument(
+        "--redis-url",
+        default=os.environ.get("TANDEM_REDIS_URL"),
+        help="the cluster's Redis (default: the TANDEM_REDIS_URL environment variable, which "
+        "keeps a password out of ps; `tandem up`'s embedded Redis writes its URL to a file)",
+    )
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=50052)
     r.add_argument(
@@ -65,6 +71,9 @@ def cmd_router(args: argparse.Namespace) -> int:
     from cluster import config_io
     from cluster.config import ClusterConfig
 
+    if not args.redis_url:
+        print("tandem router: give --redis-url or TANDEM_REDIS_URL", file=sys.stderr)
+        return 2
     try:
         cfg = config_io.build(
             ClusterConfig,

@@ -131,7 +131,10 @@ class Cluster:
             if redis_url is None:
                 self.redis = EmbeddedRedis(Path(cfg.data_dir) / "redis").start()
                 redis_url = self.redis.url
-                progress(f"embedded Redis at {redis_url} (AOF in {self.redis.data_dir})")
+                progress(
+                    f"embedded Redis at {redact(redis_url)} (AOF in {self.redis.data_dir}; its "
+                    f"URL with the password in {self.redis.url_file}, for `tandem router`)"
+                )
             self.store = RedisStore(redis_url, cfg.redis.ttl_s, cfg.redis.timeout_s)
             await self.store.ping()
             await self.store.put_json(CONFIG_KEY, shared_config(cfg, redis_url))

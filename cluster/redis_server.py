@@ -1,12 +1,19 @@
 """An embedded redis-server on loopback, with AOF (appendfsync everysec) in the data folder,
 for clusters started without --redis-url. A watchdog restarts it, on the same port and from
 the same AOF, if it dies: the cluster's records survive the restart (what the last second of
-writes may have lost, the routers and decode workers write again)."""
+writes may have lost, the routers and decode workers write again).
+
+It is closed to other local users: a generated password (`requirepass`, given in a config
+file of mode 0600, never on the command line where `ps` shows it), and a data folder of mode
+0700 around the AOF, which holds every prompt and output. The URL with its password is kept
+in `url` in that folder, for a router that joins (`tandem router --redis-url "$(cat F)"`)."""
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -23,6 +30,14 @@ class RedisServerError(RuntimeError):
     pass
 
 
+def _private_write(path: Path, text: str) -> None:
+    """Write a file only its owner may read, created so (never readable in between)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an older file of wider mode keeps its mode through O_CREAT
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -33,6 +48,7 @@ class EmbeddedRedis:
     def __init__(self, data_dir: Path, port: int | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
+        self.password = secrets.token_urlsafe(24)
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self._stopping = threading.Event()
@@ -40,7 +56,12 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        """Its URL, password included: keep it out of logs (cluster.state.redact)."""
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    @property
+    def url_file(self) -> Path:
+        return self.data_dir / "url"
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         self._launch(timeout_s)
@@ -72,10 +93,15 @@ class EmbeddedRedis:
                 "or pass --redis-url to use a running Redis"
             )
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.data_dir, 0o700)
+        conf = self.data_dir / "redis.conf"
+        _private_write(conf, f"requirepass {self.password}\n")
+        _private_write(self.url_file, self.url + "\n")
         logfile = open(self.data_dir / "redis.log", "ab")
         self.proc = subprocess.Popen(
             [
                 binary,
+                str(conf),
                 "--bind",
                 "127.0.0.1",
                 "--port",
@@ -95,7 +121,9 @@ class EmbeddedRedis:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        client = redis.Redis(port=self.port, socket_timeout=1, socket_connect_timeout=1)
+        client = redis.Redis(
+            port=self.port, password=self.password, socket_timeout=1, socket_connect_timeout=1
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

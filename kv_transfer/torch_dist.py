@@ -34,6 +34,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 import time
 
 import torch
@@ -77,9 +78,27 @@ def version_before(version: str, least: tuple[int, int]) -> bool:
 
 
 def store_server(host: str) -> dist.TCPStore:
-    """The decode worker's rendezvous store, on an ephemeral port (read `.port`)."""
+    """The decode worker's rendezvous store, on an ephemeral port (read `.port`), listening
+    on `host` alone: a TCPStore of its own binds every interface, where anyone who reaches it
+    could join a pair and write into reserved blocks. So the socket is bound here and handed
+    over (the store owns it from then on)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
     return dist.TCPStore(
-        host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+        host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=30),
+        master_listen_fd=sock.detach(),
     )
 
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import stat
 import subprocess
 import time
 
@@ -304,3 +305,22 @@ def test_redis_errors_that_mean_away_are_told_from_bugs():
     ]
     assert all(isinstance(_away(e), ConnectionError) for e in away)
     assert _away(redis.ResponseError("WRONGTYPE Operation against a key")) is None
+
+
+def test_the_embedded_redis_is_closed_to_other_local_users(tmp_path):
+    """A generated password, never on the command line; the data folder (the AOF holds every
+    prompt and output) and the file with the URL readable by their owner alone."""
+    r = EmbeddedRedis(tmp_path / "redis").start()
+    try:
+        assert stat.S_IMODE(os.stat(r.data_dir).st_mode) == 0o700
+        for name in ("url", "redis.conf"):
+            assert stat.S_IMODE(os.stat(r.data_dir / name).st_mode) == 0o600
+        assert (r.data_dir / "url").read_text().strip() == r.url
+        cmdline = open(f"/proc/{r.pid}/cmdline", "rb").read()
+        assert r.password.encode() not in cmdline
+        stranger = redis.Redis(port=r.port, socket_timeout=2)
+        with pytest.raises(redis.AuthenticationError):
+            stranger.get("tandem:config")
+        assert run(with_store(r.url, lambda s: s.ping()))
+    finally:
+        r.stop()

@@ -363,3 +363,26 @@ def test_after_a_receive_timeout_nothing_lands_and_settle_returns_at_once():
     assert time.monotonic() - t0 < 2.5
     assert not dst[1][8:12].any() and not dst[2][8:12].any()  # nothing landed late
     sender.close()
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses a socket listens on at `port`, from /proc/net/tcp and tcp6."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    found.add(address)
+    return found
+
+
+def test_the_rendezvous_store_listens_on_its_host_alone():
+    """Whoever reaches a decode worker's store could join a pair and write KV into a reserved
+    request's blocks: it listens on the transfer host only, never every interface."""
+    server = store_server("127.0.0.1")
+    assert listening_addresses(server.port) == {"0100007F"}  # 127.0.0.1, little-endian hex
+    client = store_client("127.0.0.1", server.port, 5)
+    client.set("k", b"v")
+    assert server.get("k") == b"v"
