@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from cluster.config import REDIS_URL_ENV
+
 # What `tandem up` and `tandem router` print on stdout once they serve: then the address.
 SERVING = "tandem serving on "
 
@@ -42,7 +44,7 @@ def add_router_parser(sub) -> None:
     r.add_argument("--ray-address", required=True, help="the Ray cluster (HOST:PORT or auto)")
     r.add_argument(
         "--redis-url",
-        default=os.environ.get("TANDEM_REDIS_URL"),
+        default=os.environ.get(REDIS_URL_ENV),
         help="the cluster's Redis (default: the TANDEM_REDIS_URL environment variable, which "
         "keeps a password out of ps; `tandem up`'s embedded Redis writes its URL to a file)",
     )
@@ -72,7 +74,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     from cluster.config import ClusterConfig
 
     if not args.redis_url:
-        print("tandem router: give --redis-url or TANDEM_REDIS_URL", file=sys.stderr)
+        print(f"tandem router: give --redis-url or {REDIS_URL_ENV}", file=sys.stderr)
         return 2
     try:
         cfg = config_io.build(

@@ -21,7 +21,7 @@ import ray
 
 from cluster import config_io
 from cluster.autoscale import Autoscaler
-from cluster.config import ClusterConfig
+from cluster.config import REDIS_URL_ENV, ClusterConfig
 from cluster.pools import NAMESPACE, PoolManager, PoolSpec
 from cluster.redis_server import EmbeddedRedis
 from cluster.state import RedisStore, redact
@@ -118,7 +118,7 @@ class Cluster:
 
     async def start(self, progress=print) -> Cluster:
         cfg = self.cfg
-        redis_url = cfg.redis.url
+        redis_url = cfg.redis.url or os.environ.get(REDIS_URL_ENV)
         if self.join:
             if not redis_url:
                 raise ValueError("a joining router needs the cluster's --redis-url")

@@ -132,13 +132,17 @@ class PoolConfig:
                 raise ValueError(f"resources[{k!r}]={v}: must be >= 0")
 
 
+REDIS_URL_ENV = "TANDEM_REDIS_URL"
+
+
 @dataclass(frozen=True)
 class RedisConfig:
     url: str | None = field(
         default=None,
         metadata=_h(
-            "redis:// or rediss:// URL, with a password if it needs one "
-            "(default: an embedded redis-server with AOF in data_dir)"
+            "redis:// or rediss:// URL, with a password if it needs one (default: the "
+            "TANDEM_REDIS_URL environment variable, which keeps the password out of files and "
+            "ps; else an embedded redis-server with AOF in data_dir)"
         ),
     )
     ttl_s: int = field(default=3600, metadata=_h("how long ended requests stay in Redis"))

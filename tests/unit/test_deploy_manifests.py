@@ -117,8 +117,14 @@ def test_ports_redis_and_the_router_service_agree_with_the_config():
     dockerfile = (KUBERAY / "Dockerfile").read_text()
     exposed = {int(p) for p in re.search(r"^EXPOSE (.*)$", dockerfile, re.M).group(1).split()}
     assert router_ports <= exposed
-    # Redis: the URL names the Service, whose port reaches a server with its AOF on a volume.
-    url = re.match(r"redis://([^:/]+):(\d+)/", cfg.redis.url)
+    # Redis: the URL (from the Secret, in the head's environment) names the Service, whose
+    # port reaches a server with its AOF on a volume.
+    assert cfg.redis.url is None  # no password in the ConfigMap
+    env = {e["name"]: e for e in head["env"]}
+    url = re.match(
+        r"redis://:\$\(REDIS_PASSWORD\)@([^:/]+):(\d+)/", env["TANDEM_REDIS_URL"]["value"]
+    )
+    assert url and list(env).index("REDIS_PASSWORD") < list(env).index("TANDEM_REDIS_URL")
     redis_service = named("Service", url.group(1))
     assert int(url.group(2)) in {p["port"] for p in redis_service["spec"]["ports"]}
     sts = named("StatefulSet", url.group(1))
@@ -202,3 +208,74 @@ def test_the_grafana_dashboard_plots_every_series_and_only_real_ones():
     )
     assert all(p["datasource"]["uid"] == "${datasource}" for p in dash["panels"])
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+
+
+def secret_ref(env: dict, name: str) -> dict:
+    return env[name]["valueFrom"]["secretKeyRef"]
+
+
+def test_the_deploy_is_closed_by_default():
+    """Keys from a Secret, Ray with token auth on every pod, a Redis password, NetworkPolicies
+    around Ray's ports and Redis, and no container running as root or able to write its
+    image."""
+    cfg = mounted_config()
+    # API keys: the router's key file is mounted from the Secret, nothing secret in the config.
+    [head] = [c for group, _, c in containers() if group == "head"]
+    [(_, head_pod, _)] = [x for x in containers() if x[0] == "head"]
+    mount = next(
+        m for m in head["volumeMounts"] if cfg.router.api_keys_file.startswith(m["mountPath"] + "/")
+    )
+    volume = next(v for v in head_pod["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["secretName"] == "tandem-secrets"
+    assert cfg.router.auth_token is None
+    config_text = named("ConfigMap", "tandem-config")["data"]["cluster.yaml"]
+    assert "password" not in config_text and "redis://:" not in config_text
+    # Ray: token auth on every Ray container, the token from the Secret.
+    for group, _, c in containers():
+        env = {e["name"]: e for e in c["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token", group
+        assert secret_ref(env, "RAY_AUTH_TOKEN")["name"] == "tandem-secrets", group
+    # Redis: a password from the same Secret.
+    [redis] = named("StatefulSet", "tandem-redis")["spec"]["template"]["spec"]["containers"]
+    redis_env = {e["name"]: e for e in redis["env"]}
+    assert redis["args"][redis["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert secret_ref(redis_env, "REDIS_PASSWORD")["key"] == "redis-password"
+    # Non-root, read-only root filesystem, no capabilities: every pod and container.
+    pods = [pod for _, pod, _ in containers()]
+    pods.append(named("StatefulSet", "tandem-redis")["spec"]["template"]["spec"])
+    for pod in pods:
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] != 0
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            writable = {m["mountPath"] for m in c["volumeMounts"]}
+            assert "/tmp" in writable or "/data" in writable  # where it writes
+    dockerfile = (KUBERAY / "Dockerfile").read_text()
+    assert re.search(r"^USER 1000$", dockerfile, re.M)
+    # NetworkPolicies: Ray's pods take only each other (and the router's and metrics ports);
+    # Redis only the RayCluster's pods.
+    [rc] = of_kind("RayCluster")
+    cluster_pods = {"ray.io/cluster": rc["metadata"]["name"]}
+    policies = of_kind("NetworkPolicy")
+    on_ray = [
+        p
+        for p in policies
+        if p["spec"]["podSelector"]["matchLabels"].items() >= cluster_pods.items()
+    ]
+    open_ports = set()
+    for policy in on_ray:
+        for rule in policy["spec"]["ingress"]:
+            if "from" not in rule:  # from anywhere: only these ports
+                open_ports |= {p["port"] for p in rule["ports"]}
+            else:
+                for peer in rule["from"]:
+                    inside = peer.get("podSelector", {}).get("matchLabels") == cluster_pods
+                    assert inside or rule.get("ports"), policy["metadata"]["name"]
+    assert open_ports == {cfg.router.port, cfg.router.http_port}
+    [redis_policy] = [
+        p for p in policies if p["spec"]["podSelector"]["matchLabels"] == {"app": "tandem-redis"}
+    ]
+    [rule] = redis_policy["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": cluster_pods}}]
