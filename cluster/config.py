@@ -254,11 +254,14 @@ class ClusterConfig:
             )
 
     def engine_for(self, pool: Pool) -> EngineConfig:
-        """The engine config a worker of this pool runs: device, dtype and block size
-        resolved (device auto: CUDA if the pool declares GPUs), threads on CPU, no decode
-        graphs on prefill workers."""
+        """The engine config a worker of this pool runs: device and block size resolved
+        (device auto: CUDA if the pool declares GPUs), threads on CPU, no decode graphs on
+        prefill workers. A dtype left auto on CUDA stays so: the worker picks it for its own
+        GPU (bf16 from sm80, else fp16), which the machine reading the config may not have."""
         p = self.pool(pool)
         engine = self.engine.resolve(cuda=p.gpus >= 1)
+        if engine.device != "cpu" and self.engine.dtype == "auto":
+            engine = replace(engine, dtype="auto")
         if pool is Pool.PREFILL and self.mode == "disaggregated":
             # A prefill worker stops each request at its first token: it never runs a step of
             # decodes alone, and graphs captured for one would hold memory for nothing.

@@ -98,7 +98,8 @@ def examine(cfg: ClusterConfig, ray_gpus: float | None = None) -> Report:
 
 
 def _needs(r: Report, cfg: ClusterConfig, torch_version, cuda, gpus, nccl, flash) -> None:
-    engines = {p: cfg.engine_for(p) for p in cfg.pools}
+    # As a worker on this machine would resolve it (the dtype for this GPU, if any).
+    engines = {p: cfg.engine_for(p).resolve() for p in cfg.pools}
     want = sum(cfg.pool(p).replicas * cfg.pool(p).gpus for p in cfg.pools)
     for pool, e in engines.items():
         where = f"{cfg.pool(pool).replicas} x {cfg.pool(pool).gpus:g} GPU" if want else "CPU"

@@ -23,7 +23,6 @@ from workers.messages import Phase, Pool, PrefillJob, PrefillResult, RequestSpec
 
 
 class Placement(Protocol):
-    block_size: int
     decode_progress: int  # rises each time a decode worker was seen to free blocks
 
     def candidates(self, pool: Pool) -> list[WorkerRef]:

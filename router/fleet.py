@@ -107,6 +107,8 @@ class Fleet:
                 self._pollers[w.name] = asyncio.get_event_loop().create_task(self._poll(w))
             return
         self.loads.pop(w.name, None)
+        self.statuses.pop(w.name, None)
+        self.joined.pop(w.name, None)
         task = self._pollers.pop(w.name, None)
         if task is not None:
             task.cancel()
@@ -209,7 +211,7 @@ class Fleet:
         out = []
         for w in workers:
             s = got.get(w.name)
-            if not w.alive:
+            if not w.alive or isinstance(s, ray.exceptions.RayActorError):  # dead, or dying
                 out.append(WorkerStatus(w.name, w.pool, w.info.pid, w.info.node, alive=False))
             elif isinstance(s, WorkerStatus):
                 out.append(s)

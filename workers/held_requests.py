@@ -134,9 +134,9 @@ class HeldRequests:
         self.relay.emit(events)
 
     def fail(self, rid: str, attempt: int, message: str, landed=None) -> None:
-        """This attempt failed here (its KV never came whole): UNAVAILABLE, to be replayed.
-        `landed`: the event after which a transfer that did complete has written its blocks;
-        they are not given back before it."""
+        """This attempt failed here (its KV never came whole, or a newer attempt runs
+        elsewhere): UNAVAILABLE, to be replayed. `landed`: the event after which a transfer
+        that did complete has written its blocks; they are not given back before it."""
         self.streams.wait(landed)
         held = self._held.get(rid)
         if held is not None and held.attempt == attempt:
@@ -148,7 +148,7 @@ class HeldRequests:
         rid = spec.request_id
         held = self._held.get(rid)
         if held is not None:
-            if held.attempt >= spec.attempt:
+            if held.attempt >= spec.attempt or self.receiving(rid):  # older KV still lands
                 return False
             self.drop(rid)
         self.engine.add_request(

@@ -137,9 +137,10 @@ class KVReceiver:
     # -- a transfer --------------------------------------------------------------------------
     def receive(self, prefill: str, generation: int, spec: RequestSpec) -> PushResult:
         """Receive one request's KV and first tokens on the pair with `prefill`, then admit
-        the request."""
+        the request. Until it is admitted, failed or cancelled here, a cancel or a failure
+        that comes for it waits (`defer_cancel`, `defer_fail`), and is applied after."""
         rid = spec.request_id
-        blocks = None
+        blocks = side = None
         with self._lock:
             current = self._pairs.get(prefill)
             self._receiving.add(rid)
@@ -167,7 +168,9 @@ class KVReceiver:
             )
             first = decode_first(payload)
             seconds = time.perf_counter() - t0
-            cancelled, failed = self._done(rid)
+            # Whatever ends it here waits on the landing: staged layers may still be being
+            # scattered into the blocks on the transfer's stream.
+            cancelled, failed = self._deferred(rid)
             if failed is not None:  # the sender gave up meanwhile: its report stands
                 self.landing.fail(rid, *failed, landed=side.landed)
                 return PushResult(rid, False, error=failed[1])
@@ -185,9 +188,22 @@ class KVReceiver:
             pending = getattr(e, "pending", None)
             if pending and current is not None:
                 self._quarantine(rid, prefill, current[1], blocks, pending)
-            self._done(rid)
-            self.landing.fail(rid, spec.attempt, message)
+            # An aborted transfer landed whole (and its landing event was recorded).
+            landed = side.landed if side is not None else None
+            cancelled, _ = self._deferred(rid)
+            if cancelled is not None:  # the client's cancel stands: CANCELLED, not a replay
+                self.landing.cancel(rid, *cancelled, landed=landed)
+            else:
+                self.landing.fail(rid, spec.attempt, message, landed=landed)
             return PushResult(rid, False, error=message)
+        finally:
+            # What came after the request was admitted, failed or cancelled here applies to
+            # it as it now is.
+            cancelled, failed = self._done(rid)
+            if failed is not None:
+                self.landing.fail(rid, *failed)
+            if cancelled is not None:
+                self.landing.cancel(rid, *cancelled)
 
     def defer_cancel(self, rid: str, notify: bool, attempt: int | None) -> bool:
         """If rid's KV is landing now, hold the cancel until it has (True); else False: the
@@ -208,9 +224,16 @@ class KVReceiver:
             self._fail_after[rid] = (attempt, message)
             return True
 
+    def _deferred(self, rid: str) -> tuple[tuple[bool, int | None] | None, tuple[int, str] | None]:
+        """The cancel that came for rid while its KV landed, if any (its `notify` and
+        `attempt`), and the failure its sender reported meanwhile (attempt, message); taken,
+        while rid stays among those landing."""
+        with self._lock:
+            return self._cancel_after.pop(rid, None), self._fail_after.pop(rid, None)
+
     def _done(self, rid: str) -> tuple[tuple[bool, int | None] | None, tuple[int, str] | None]:
-        """The transfer for rid is over: the cancel that came meanwhile, if any (its `notify`
-        and `attempt`), and the failure its sender reported meanwhile (attempt, message)."""
+        """The transfer for rid is over, and it is admitted, failed or cancelled here: what
+        was deferred since `_deferred`, now to apply as to any request here."""
         with self._lock:
             self._receiving.discard(rid)
             return self._cancel_after.pop(rid, None), self._fail_after.pop(rid, None)

@@ -91,7 +91,9 @@ def test_each_pool_runs_its_resolved_engine():
     cfg = cluster({}, {"gpus": 1}, {"gpus": 1})
     for pool in (Pool.PREFILL, Pool.DECODE):
         e = cfg.engine_for(pool)
-        assert (e.device, e.dtype, e.block_size, e.num_threads) == ("cuda", "bfloat16", 256, None)
+        # The dtype is the worker's to pick, for its own GPU (the head may have none).
+        assert (e.device, e.dtype, e.block_size, e.num_threads) == ("cuda", "auto", 256, None)
+        assert e.resolve(bf16=True).dtype == "bfloat16" and e.resolve(bf16=False).dtype == "float16"
         assert e.cuda_graphs == (pool is Pool.DECODE)  # prefill never steps decodes alone
     cpu = cluster({}, {"cpus": 2, "threads": 3}, {"cpus": 2})
     pe, de = cpu.engine_for(Pool.PREFILL), cpu.engine_for(Pool.DECODE)

@@ -187,10 +187,6 @@ def choice_index(choice: str) -> int:
     return split_choice(choice)[1]
 
 
-def parent_id(choice: str) -> str:
-    return split_choice(choice)[0]
-
-
 @dataclass
 class Request:
     request_id: str
