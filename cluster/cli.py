@@ -142,7 +142,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cluster.cli_remote import add_key_flags, cmd_drain, cmd_scale, cmd_status
+    from cluster.cli_remote import add_client_flags, cmd_drain, cmd_scale, cmd_status
 
     parser = argparse.ArgumentParser(
         prog="tandem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--concurrency", type=int, default=16, help="with --address")
     gen.add_argument("--timeout", type=float, default=600, help="seconds per request")
-    add_key_flags(gen)
+    add_client_flags(gen)
     gen.add_argument("--requests", help="JSONL file, one request per line")
     gen.add_argument("--json", action="store_true", help="one JSON line per request, in order")
     gen.add_argument("--max-tokens", type=int, default=256, help="for a PROMPT (default 256)")
@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="per-worker state of a running cluster")
     st.add_argument("--address", required=True)
     st.add_argument("--json", action="store_true")
-    add_key_flags(st)
+    add_client_flags(st)
     st.set_defaults(func=cmd_status)
     sc = sub.add_parser(
         "scale",
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--decode", type=int, help="decode workers wanted (>= 1)")
     sc.add_argument("--timeout", type=float, default=600, help="seconds per pool (default 600)")
     sc.add_argument("--json", action="store_true")
-    add_key_flags(sc)
+    add_client_flags(sc)
     sc.set_defaults(func=cmd_scale)
     dr = sub.add_parser(
         "drain",
@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--worker", required=True, help="its name, e.g. decode-1 (tandem status)")
     dr.add_argument("--drain-timeout", type=float, default=60, help="seconds (default 60)")
     dr.add_argument("--json", action="store_true")
-    add_key_flags(dr)
+    add_client_flags(dr)
     dr.set_defaults(func=cmd_drain)
     add_keys_parser(sub)
     return parser

@@ -12,12 +12,26 @@ import sys
 API_KEY_ENV = "TANDEM_API_KEY"
 
 
-def add_key_flags(p: argparse.ArgumentParser) -> None:
+def add_client_flags(p: argparse.ArgumentParser) -> None:
+    """How a client command reaches a router: its API key, and TLS."""
     p.add_argument(
         "--api-key-file",
         help=f"a file holding the API key (default: the {API_KEY_ENV} environment variable)",
     )
     p.add_argument("--token", help=f"the API key itself (shows in ps: prefer {API_KEY_ENV})")
+    p.add_argument("--tls-ca", help="reach the router over TLS, trusting this PEM CA")
+    p.add_argument("--tls-cert", help="PEM certificate to present (a router with a client CA)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+
+
+def client_tls(args: argparse.Namespace):
+    """The TLS a client command asked for (None: plaintext)."""
+    from router.tls import ClientTLS, TLSFileError
+
+    try:
+        return ClientTLS.of(args.tls_ca, args.tls_cert, args.tls_key)
+    except TLSFileError as e:
+        raise SystemExit(f"tandem: {e}") from None
 
 
 def client_key(args: argparse.Namespace) -> str | None:
@@ -36,7 +50,7 @@ def client_key(args: argparse.Namespace) -> str | None:
 async def generate_remote(args: argparse.Namespace, requests) -> int:
     from router.client import TandemClient, to_proto
 
-    client = TandemClient(args.address, client_key(args))
+    client = TandemClient(args.address, client_key(args), client_tls(args))
     sem = asyncio.Semaphore(max(1, args.concurrency))
     results: dict[int, object] = {}
     printed = 0
@@ -95,7 +109,7 @@ async def _admin(args, what: str, calls) -> int:
 
     from router.client import TandemClient, status_to_dict
 
-    client = TandemClient(args.address, client_key(args))
+    client = TandemClient(args.address, client_key(args), client_tls(args))
     done = {}
     try:
         for label, call in calls:
@@ -155,7 +169,7 @@ async def _status(args) -> int:
     from router.client import fetch_status
 
     try:
-        s = await fetch_status(args.address, client_key(args))
+        s = await fetch_status(args.address, client_key(args), client_tls(args))
     except grpc.aio.AioRpcError as e:
         print(f"tandem status: {args.address}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
@@ -183,15 +197,19 @@ def print_status(s: dict) -> None:
         print(f"{pool} pool: {p['live']}/{p['target']} live{starting}, {p['restarts']} restarts")
         if p.get("autoscale"):
             print(f"  autoscale: {p['autoscale']}")
-    for pool in ("prefill", "decode"):
-        for w in s[pool]:
-            state = "alive" if w["alive"] else "DEAD"
-            silent = w.get("unresponsive_s", 0)
-            if w["alive"] and silent:  # its figures are its last answer's
-                state = f"UNRESPONSIVE {silent:.0f}s"
-            print(
-                f"{w['name']:<12} {state:<5} pid={w['pid']:<7} "
-                f"node={w['node']:<15} kv={w['kv_blocks_free']}/{w['kv_blocks_total']} "
-                f"running={w['running']} waiting={w['waiting']}"
-                f"{' draining' if w['draining'] else ''}"
-            )
+    rows = [w for pool in ("prefill", "decode") for w in s[pool]]
+    states = []
+    for w in rows:
+        state = "alive" if w["alive"] else "DEAD"
+        silent = w.get("unresponsive_s", 0)
+        if w["alive"] and silent:  # its figures are its last answer's
+            state = f"UNRESPONSIVE {silent:.0f}s"
+        states.append(state)
+    width = max((len(st) for st in states), default=5)
+    for w, state in zip(rows, states):
+        print(
+            f"{w['name']:<12} {state:<{width}} pid={w['pid']:<7} "
+            f"node={w['node']:<15} kv={w['kv_blocks_free']}/{w['kv_blocks_total']} "
+            f"running={w['running']} waiting={w['waiting']}"
+            f"{' draining' if w['draining'] else ''}"
+        )

@@ -29,6 +29,7 @@ from router.core import Router
 from router.http import OpenAIFront, start_http
 from router.keys import router_keys
 from router.server import start_server
+from router.tls import ServerTLS
 from workers.messages import Pool
 from workers.model.loader import DEFAULT_MODEL, read_model_config, resolve_model
 from workers.model.tokenizer import Tokenizer
@@ -109,6 +110,7 @@ class Cluster:
         self.http = None  # the OpenAI-compatible front's runner, when router.http_port is set
         self.http_port: int | None = None
         self.controller = None
+        self._tasks: list[asyncio.Task] = []  # the autoscaler's, while it runs
         self.port: int | None = None
         self._started_ray = False
 
@@ -171,7 +173,7 @@ class Cluster:
         await self.router.start()
         # The longest sequence the workers take: a longer one is refused here, as invalid.
         max_len = cfg.engine.context_len(model_cfg.max_position_embeddings)
-        keys = router_keys(cfg.router)
+        keys, tls = router_keys(cfg.router), ServerTLS.of(cfg.router)
         self.server, self.port, self.controller = await start_server(
             self.router,
             cfg.router.port,
@@ -180,6 +182,7 @@ class Cluster:
             cfg.mode,
             keys,
             cfg.router.host,
+            tls,
         )
         progress(f"router {self.router.id} listening on {self.address}")
         autoscale = {p: cfg.pool(p).autoscale for p in cfg.pools}
@@ -192,7 +195,7 @@ class Cluster:
                 autoscale,
                 lambda: self.controller.leader,
             )
-            self.router.add_task(scaler.run_forever())
+            self._tasks.append(asyncio.get_running_loop().create_task(scaler.run_forever()))
             for p, a in autoscale.items():
                 if a.enabled:
                     signal, target = a.resolved(p)
@@ -209,9 +212,10 @@ class Cluster:
                 keys,
             )
             self.http, self.http_port = await start_http(
-                front, cfg.router.host, cfg.router.http_port
+                front, cfg.router.host, cfg.router.http_port, tls
             )
-            progress(f"OpenAI-compatible HTTP on http://{cfg.router.host}:{self.http_port}/v1")
+            scheme = "https" if tls is not None else "http"
+            progress(f"OpenAI-compatible HTTP on {scheme}://{cfg.router.host}:{self.http_port}/v1")
         return self
 
     def _pool_spec(self, pool: Pool) -> PoolSpec:
@@ -261,13 +265,18 @@ class Cluster:
         raise RuntimeError(f"found no live worker of every pool in {timeout_s:.0f} s")
 
     async def stop(self) -> None:
-        if self.router is not None:
-            # Joined: the cluster goes on, and its requests are taken over, not cancelled.
-            await self.router.stop(hand_over=self.join)
+        if self.join and self.router is not None:
+            self.router.leave()  # the cluster goes on: its requests are taken over, not cancelled
         if self.http is not None:
             await self.http.cleanup()
         if self.server is not None:
             await self.server.stop(grace=2)
+        for t in self._tasks:
+            t.cancel()
+        if self.controller is not None:
+            await self.controller.stop()
+        if self.router is not None:
+            await self.router.stop()
         if self.pools is not None and not self.join:
             await self.pools.stop_all()
         if self.store is not None:

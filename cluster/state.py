@@ -238,6 +238,10 @@ def _fields(rec: RequestRecord) -> dict:
     }
 
 
+class MalformedRecord(ValueError):
+    """A record in Redis that does not parse (written by something else, or damaged)."""
+
+
 def _record(request_id: str, h: dict, failures: list[str]) -> RequestRecord:
     return RequestRecord(
         request_id=request_id,
@@ -366,7 +370,12 @@ class RedisStore:
             p.hgetall(key(rid))
             p.lrange(key(rid) + ":failures", 0, -1)
             h, failures = await p.execute()
-        return _record(rid, h, failures) if h else None
+        if not h:
+            return None
+        try:
+            return _record(rid, h, failures)
+        except (ValueError, TypeError, KeyError) as e:  # json's errors are ValueErrors
+            raise MalformedRecord(f"request {rid}: its record in Redis is malformed: {e}") from e
 
     @_reachable
     async def tokens(self, rid: str, start: int = 0) -> list[int]:

@@ -20,6 +20,7 @@ import grpc
 from router.api import tandem_pb2 as pb
 from router.api import tandem_pb2_grpc as pb_grpc
 from router.convert import status_to_dict
+from router.tls import ClientTLS, channel
 from workers.completion import Completion, GenerationRequest
 from workers.engine.request import SamplingParams
 
@@ -96,9 +97,13 @@ class StreamResult:
 
 
 class TandemClient:
-    def __init__(self, address: str | list[str], token: str | None = None) -> None:
+    def __init__(
+        self, address: str | list[str], token: str | None = None, tls: ClientTLS | None = None
+    ) -> None:
+        """`token`: the API key sent with every call; `tls`: reach the routers over TLS,
+        trusting its CA (and presenting its certificate, for a router that asks)."""
         self.addresses = address.split(",") if isinstance(address, str) else list(address)
-        self.channels = [grpc.aio.insecure_channel(a.strip()) for a in self.addresses]
+        self.channels = [channel(a.strip(), tls) for a in self.addresses]
         self.current = 0
         self.metadata = [("authorization", f"Bearer {token}")] if token else None
 
@@ -235,10 +240,10 @@ class TandemClient:
         return await self.admin.Status(pb.StatusRequest(), timeout=30, metadata=self.metadata)
 
 
-async def fetch_status(address: str, token: str | None = None) -> dict:
+async def fetch_status(address: str, token: str | None = None, tls=None) -> dict:
     """One router's `Admin.Status` as `tandem status --json` prints it, on a channel of its
     own."""
-    client = TandemClient(address, token)
+    client = TandemClient(address, token, tls)
     try:
         return status_to_dict(await client.status())
     finally:

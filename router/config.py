@@ -32,7 +32,28 @@ class RouterConfig:
             "(`tandem keys new`); with it or auth_token, every call needs a key"
         ),
     )
-    max_in_flight: int = field(default=256, metadata=_h("requests generating at once"))
+    tls_cert: str | None = field(
+        default=None, metadata=_h("PEM certificate: serve gRPC and HTTP over TLS only")
+    )
+    tls_key: str | None = field(default=None, metadata=_h("PEM private key of tls_cert"))
+    tls_client_ca: str | None = field(
+        default=None,
+        metadata=_h("PEM CA: clients must present a certificate it signed (mutual TLS)"),
+    )
+    tls_ca: str | None = field(
+        default=None,
+        metadata=_h(
+            "PEM CA of the other routers' certificates, to verify the controller router "
+            "this one forwards Admin calls to (default: tls_client_ca)"
+        ),
+    )
+    max_in_flight: int = field(
+        default=256,
+        metadata=_h("sequences generating at once (a request of n choices takes n)"),
+    )
+    max_resumes: int = field(
+        default=1024, metadata=_h("Resume streams open at once; past it: RESOURCE_EXHAUSTED")
+    )
     max_queue: int = field(
         default=1024, metadata=_h("requests waiting for a slot; past it: RESOURCE_EXHAUSTED")
     )
@@ -81,8 +102,15 @@ class RouterConfig:
             raise bad("port", "must be a TCP port (0 picks a free one)")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise bad("http_port", "must be a TCP port (0 picks a free one)")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise bad("tls_cert", "tls_cert and tls_key go together")
+        for name in ("tls_client_ca", "tls_ca"):
+            if getattr(self, name) and not self.tls_cert:
+                raise bad(name, "needs tls_cert and tls_key: the router must serve TLS")
         if self.max_in_flight < 1:  # 0 slots: every request would wait forever (G6)
             raise bad("max_in_flight", "must be at least 1")
+        if self.max_resumes < 1:
+            raise bad("max_resumes", "must be at least 1")
         for name in ("max_queue", "local_prefill_max_tokens"):
             if getattr(self, name) < 0:
                 raise bad(name, "must be >= 0")

@@ -32,6 +32,17 @@ class Controller:
         self.leader = False
         self.leader_address: str | None = None
         self._heal: asyncio.Task | None = None
+        self._task: asyncio.Task | None = None
+        self._malformed: set[str] = set()  # records that do not parse: skipped, logged once
+
+    def start(self) -> None:
+        """Take up the controller duties (in a task of this event loop) until `stop`."""
+        self._task = asyncio.get_running_loop().create_task(self.run_forever())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task], timeout=5)
 
     async def run_forever(self) -> None:
         while True:
@@ -82,9 +93,14 @@ class Controller:
         router, store = self.router, self.router.records.store
         live = await store.live_routers()
         for rid in await store.active():
-            if router.drives(rid):
+            if router.drives(rid) or rid in self._malformed:
                 continue
-            rec = await store.get(rid)
+            try:
+                rec = await store.get(rid)
+            except ValueError as e:  # one bad record must not stop every later adoption
+                self._malformed.add(rid)
+                log.error("skipping it for good: %s", e)
+                continue
             if rec is None or rec.state.terminal or rec.owner in live:
                 continue
             if not await store.claim(rid, rec.owner, router.id):

@@ -28,6 +28,7 @@ from router.fleet import Fleet
 from router.metrics import RouterMetrics
 from router.records import Records
 from router.resume import from_stream, tail_log
+from router.slots import Slots
 from router.store import RecordState, RequestRecord, RequestStore
 from router.stream import Chunk, RequestStream, follow_all
 from router.validation import Admission
@@ -82,8 +83,9 @@ class Router:
         )
         self._drivers: dict[str, RequestDriver] = {}  # by request id (a choice's own id)
         self._groups: dict[str, SharedStart] = {}  # n > 1 requests, by the request's id
-        self._slots = asyncio.Semaphore(config.max_in_flight)
+        self._slots = Slots(config.max_in_flight)  # a request of n choices takes n
         self._queue_depth = 0
+        self._resumes = 0  # Resume streams open now
         self._tasks: list[asyncio.Task] = []
         self._leaving = False
 
@@ -93,7 +95,8 @@ class Router:
 
     @config.setter
     def config(self, config: RouterConfig) -> None:
-        """Takes effect for every request from its next wait or attempt on."""
+        """Its timeouts, limits, replay and retry settings take effect for every request from
+        its next wait or attempt on; max_in_flight alone (the slots) is fixed at start."""
         self._env.config = self.fleet.config = config
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -107,24 +110,25 @@ class Router:
             loop.create_task(self._report_forever()),
         ]
 
-    def add_task(self, coro) -> None:
-        """Run a coroutine for as long as the router runs."""
-        self._tasks.append(asyncio.get_running_loop().create_task(coro))
-
-    async def stop(self, hand_over: bool = False) -> None:
-        """Stop. The requests still running here are cancelled; with `hand_over` they are
-        left running, unfollowed, for another router to adopt (a router that stops while the
-        cluster goes on)."""
-        if hand_over:
-            self._leaving = True
+    def leave(self) -> None:
+        """Hand the requests running here over: they run on, unfollowed, for another router
+        to adopt, and nothing this router does from now on (its servers closing on their
+        streams, `stop`) cancels them. For a router that stops while the cluster goes on."""
+        self._leaving = True
         for d in list(self._drivers.values()):
-            if hand_over:
-                d.abandon()
-            elif d.task is not None:
-                d.task.cancel()
+            d.abandon()
+
+    async def stop(self) -> None:
+        """Stop. The requests still running here are cancelled, unless `leave` came first."""
+        if not self._leaving:
+            for d in list(self._drivers.values()):
+                if d.task is not None:
+                    d.task.cancel()
         self.fleet.stop()
         for t in self._tasks:
             t.cancel()
+        if self._tasks:  # let them finish cancelling (a Redis write in flight), bounded
+            await asyncio.wait(self._tasks, timeout=5)
 
     async def _report_forever(self) -> None:
         while True:
@@ -140,6 +144,12 @@ class Router:
         specs = [spec.choice(i) for i in range(n)] if n > 1 else [spec]
         if rid in self._drivers or rid in self._groups:
             raise RouterError(Status.ALREADY_EXISTS, f"request {rid} is already running")
+        if n > self._slots.total:
+            raise RouterError(
+                Status.INVALID_ARGUMENT,
+                f"sampling.n={n}: each choice takes a slot, and this router has "
+                f"{self._slots.total} (router.max_in_flight)",
+            )
         if self._queue_depth >= self.config.max_queue:
             raise RouterError(
                 Status.RESOURCE_EXHAUSTED,
@@ -150,7 +160,7 @@ class Router:
         self._queue_depth += 1
         self.metrics.queue(self._queue_depth, len(self._drivers))
         try:
-            await self._slots.acquire()
+            await self._slots.acquire(n)
         finally:
             self._queue_depth -= 1
         drivers: list[RequestDriver] = []
@@ -174,7 +184,7 @@ class Router:
                 timer.chunk(chunk.index, len(chunk.token_ids), chunk.finished, status or "")
                 yield chunk
         finally:
-            self._slots.release()
+            self._slots.release(n)
             if not self._leaving:
                 for driver in drivers:
                     if not driver.stream.finished and driver.task is not None:
@@ -270,20 +280,29 @@ class Router:
         """A request's tokens (choice `index`'s, for n > 1) from `offset` on, then its end:
         from this router's own stream if it drives the request, else from the store's log,
         followed until it ends."""
-        rid = choice_id(request_id, index)
-        d = self._drivers.get(rid)
-        if d is not None and not d.watching:
-            stops = d.spec.sampling.stop
-            async for c in from_stream(d.stream, offset, self.tokenizer, stops, index):
+        if self._resumes >= self.config.max_resumes:
+            raise RouterError(
+                Status.RESOURCE_EXHAUSTED,
+                f"{self._resumes} Resume streams are open (router.max_resumes); retry later",
+            )
+        self._resumes += 1
+        try:
+            rid = choice_id(request_id, index)
+            d = self._drivers.get(rid)
+            if d is not None and not d.watching:
+                stops = d.spec.sampling.stop
+                async for c in from_stream(d.stream, offset, self.tokenizer, stops, index):
+                    yield c
+                return
+            rec = await self.records.read(rid)
+            if rec is None:
+                which = f"request {request_id}" + (f" choice {index}" if index else "")
+                raise RouterError(Status.NOT_FOUND, f"no {which} (or it expired)")
+            stall = self.config.stall_timeout_s
+            async for c in tail_log(self.records, self.tokenizer, rec, offset, stall, index):
                 yield c
-            return
-        rec = await self.records.read(rid)
-        if rec is None:
-            which = f"request {request_id}" + (f" choice {index}" if index else "")
-            raise RouterError(Status.NOT_FOUND, f"no {which} (or it expired)")
-        stall = self.config.stall_timeout_s
-        async for c in tail_log(self.records, self.tokenizer, rec, offset, stall, index):
-            yield c
+        finally:
+            self._resumes -= 1
 
     # -- requests of other routers ----------------------------------------------------------
     def drives(self, rid: str) -> bool:

@@ -40,6 +40,7 @@ from router.core import Router
 from router.errors import RouterError
 from router.keys import KeyRing
 from router.stream import Chunk
+from router.tls import ServerTLS
 from router.validation import (
     Admission,
     InvalidRequest,
@@ -168,10 +169,13 @@ class OpenAIFront:
 
     # -- one request ------------------------------------------------------------------------
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        try:
-            body = await request.json()
+        raw = await request.read()
+        try:  # in a thread: a body of megabytes must not hold the event loop while parsed
+            body = await asyncio.to_thread(json.loads, raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise HttpError(400, "the body is not valid JSON") from None
+        except RecursionError:  # arrays or objects nested past the parser's depth
+            raise HttpError(400, "the body's JSON is nested too deeply") from None
         if not isinstance(body, dict):
             raise HttpError(400, "the body must be a JSON object")
         model = body.get("model", self.model_name)
@@ -180,7 +184,8 @@ class OpenAIFront:
                 404, f"the model {model!r} does not exist; this serves {self.model_name!r}", "model"
             )
         _refuse_unserved(body)
-        ids = self._prompt_ids(body, chat)
+        # In a thread: a long prompt's tokenizing must not hold the event loop.
+        ids = await asyncio.to_thread(self._prompt_ids, body, chat)
         try:
             msg = pb.GenerateRequest(prompt_ids=ids, sampling=self._sampling(body, chat, len(ids)))
         except ValueError:  # an id past int32
@@ -549,12 +554,16 @@ async def _send(response: web.StreamResponse, event: dict) -> None:
     await response.write(f"data: {json.dumps(event)}\n\n".encode())
 
 
-async def start_http(front: OpenAIFront, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serves the front; returns the runner (for `cleanup`) and the bound port. A client that
-    disconnects has its handler cancelled, and with it its request."""
+async def start_http(
+    front: OpenAIFront, host: str, port: int, tls: ServerTLS | None = None
+) -> tuple[web.AppRunner, int]:
+    """Serves the front (over TLS only, with `tls`); returns the runner (for `cleanup`) and
+    the bound port. A client that disconnects has its handler cancelled, and with it its
+    request."""
     runner = web.AppRunner(front.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    ssl_context = tls.http_context() if tls is not None else None
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
     bound = site._server.sockets[0].getsockname()[1]
     log.info("OpenAI-compatible HTTP on %s:%d", host, bound)

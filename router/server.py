@@ -8,6 +8,7 @@ carries one, and a request is never returned as a truncated success.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from dataclasses import replace
@@ -27,6 +28,8 @@ from router.core import Router
 from router.directory import PoolRefusal
 from router.errors import RouterError
 from router.keys import KeyRing
+from router.tls import ServerTLS
+from router.tls import channel as tls_channel
 from router.validation import InvalidRequest, message_bytes_limit, validate
 from workers.messages import Pool, Status
 
@@ -59,27 +62,46 @@ def _parse_strict(cls):
     return parse
 
 
+def _add_strict(server, service: str, servicer, methods: dict) -> None:
+    """Like the generated registration, but with strict request parsing: a request whose
+    bytes do not parse reaches its handler as Malformed (INVALID_ARGUMENT), never as an
+    exception inside gRPC (UNKNOWN). methods: name -> (request, response, streams)."""
+    rpcs = {}
+    for name, (request, response, streams) in methods.items():
+        make = (
+            grpc.unary_stream_rpc_method_handler if streams else grpc.unary_unary_rpc_method_handler
+        )
+        rpcs[name] = make(
+            getattr(servicer, name),
+            request_deserializer=_parse_strict(request),
+            response_serializer=response.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, rpcs),))
+
+
 def _add_generation(servicer: GenerationService, server) -> None:
-    """Like the generated registration, but with strict request parsing."""
-    rpcs = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate,
-            request_deserializer=_parse_strict(pb.GenerateRequest),
-            response_serializer=pb.GenerateResponse.SerializeToString,
-        ),
-        "Cancel": grpc.unary_unary_rpc_method_handler(
-            servicer.Cancel,
-            request_deserializer=_parse_strict(pb.CancelRequest),
-            response_serializer=pb.CancelResponse.SerializeToString,
-        ),
-        "Resume": grpc.unary_stream_rpc_method_handler(
-            servicer.Resume,
-            request_deserializer=_parse_strict(pb.ResumeRequest),
-            response_serializer=pb.GenerateResponse.SerializeToString,
-        ),
-    }
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("tandem.v1.Generation", rpcs),)
+    _add_strict(
+        server,
+        "tandem.v1.Generation",
+        servicer,
+        {
+            "Generate": (pb.GenerateRequest, pb.GenerateResponse, True),
+            "Cancel": (pb.CancelRequest, pb.CancelResponse, False),
+            "Resume": (pb.ResumeRequest, pb.GenerateResponse, True),
+        },
+    )
+
+
+def _add_admin(servicer: AdminService, server) -> None:
+    _add_strict(
+        server,
+        "tandem.v1.Admin",
+        servicer,
+        {
+            "Status": (pb.StatusRequest, pb.StatusResponse, False),
+            "Scale": (pb.ScaleRequest, pb.ScaleResponse, False),
+            "Drain": (pb.DrainRequest, pb.DrainResponse, False),
+        },
     )
 
 
@@ -119,7 +141,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             _reject_malformed(request)
             try:
-                adm = validate(request, self.router.tokenizer, self.max_model_len, self.vocab_size)
+                # In a thread: a long prompt's tokenizing must not hold the event loop.
+                adm = await asyncio.to_thread(
+                    validate, request, self.router.tokenizer, self.max_model_len, self.vocab_size
+                )
             except (InvalidRequest, ValueError) as e:
                 raise RouterError(Status.INVALID_ARGUMENT, str(e)) from None
             client_id, tenant = adm.request_id, self._tenant(context)
@@ -168,13 +193,20 @@ class AdminService(pb_grpc.AdminServicer):
         controller: Controller,
         mode: str,
         status_timeout_s: float = 0.5,
+        tls: ServerTLS | None = None,
     ) -> None:
         self.router = router
         self.controller = controller
         self.mode = mode
         self.status_timeout_s = status_timeout_s
+        self.tls = tls  # to call the controller router as it is served
 
     async def Status(self, request, context):
+        try:
+            _reject_malformed(request)
+        except RouterError as e:
+            await _abort(context, e)
+            return
         router = self.router
         me = router.status()
         out = pb.StatusResponse(
@@ -210,7 +242,7 @@ class AdminService(pb_grpc.AdminServicer):
         # The caller's own key goes on: the controller checks it as this router did.
         key = bearer(context.invocation_metadata())
         metadata = [("authorization", f"Bearer {key}")] if key else None
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with tls_channel(address, self.tls) as channel:
             stub = pb_grpc.AdminStub(channel)
             try:
                 return await getattr(stub, method)(
@@ -221,6 +253,7 @@ class AdminService(pb_grpc.AdminServicer):
 
     async def Scale(self, request, context):
         try:
+            _reject_malformed(request)
             if request.pool not in ("prefill", "decode"):
                 raise RouterError(
                     Status.INVALID_ARGUMENT, f"pool {request.pool!r}: prefill or decode"
@@ -244,6 +277,7 @@ class AdminService(pb_grpc.AdminServicer):
 
     async def Drain(self, request, context):
         try:
+            _reject_malformed(request)
             if not self.controller.leader:
                 return await self._forward("Drain", request, context)
             directory = self.router.fleet.directory
@@ -266,21 +300,25 @@ async def start_server(
     mode: str,
     keys: KeyRing | None = None,
     host: str = "127.0.0.1",
+    tls: ServerTLS | None = None,
 ):
     """Binds, starts the services and the router's controller duties; returns (server,
     bound port, controller). With `keys`, every call but health checks and reflection needs
-    one (router/auth.py)."""
+    one (router/auth.py); with `tls`, the port serves TLS only (router/tls.py)."""
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(keys)] if keys is not None else None,
         options=[("grpc.max_receive_message_length", message_bytes_limit(max_model_len))],
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls is not None:
+        bound = server.add_secure_port(f"{host}:{port}", tls.grpc_credentials())
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"cannot listen on {host}:{port} (in use?)")
     advertised = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     controller = Controller(router, f"{advertised}:{bound}")
     _add_generation(GenerationService(router, max_model_len, vocab_size, keys), server)
-    pb_grpc.add_AdminServicer_to_server(AdminService(router, controller, mode), server)
+    _add_admin(AdminService(router, controller, mode, tls=tls), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
@@ -292,7 +330,7 @@ async def start_server(
     reflection.enable_server_reflection(names, server)
     await server.start()
     await controller.tick()
-    router.add_task(controller.run_forever())
+    controller.start()
     for name in ("", *names[:2]):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound, controller

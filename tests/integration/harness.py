@@ -4,7 +4,10 @@ plain synchronous tests can drive it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from pathlib import Path
+from types import SimpleNamespace
 
 from cluster.cluster import Cluster
 from cluster.config import ClusterConfig
@@ -21,10 +24,11 @@ def cluster_config(**values) -> ClusterConfig:
 
 
 def one_by_one(
-    data_dir: str, engine: dict | None = None, key: str | None = None, **router
+    data_dir: str, engine: dict | None = None, key: str | None = None, tls=None, **router
 ) -> ClusterHarness:
     """One prefill and one decode worker with 256 KV blocks each, the router on free ports
-    (plus `engine` and `router` fields, e.g. http_port=0); the harness's client sends `key`."""
+    (plus `engine` and `router` fields, e.g. http_port=0); the harness's client sends `key`,
+    over `tls` (a ClientTLS) if given."""
     return ClusterHarness(
         cluster_config(
             router={"port": 0, **router},
@@ -33,12 +37,13 @@ def one_by_one(
             data_dir=data_dir,
         ),
         key,
+        tls,
     )
 
 
 class ClusterHarness:
-    def __init__(self, cfg: ClusterConfig, key: str | None = None) -> None:
-        self.key = key
+    def __init__(self, cfg: ClusterConfig, key: str | None = None, tls=None) -> None:
+        self.key, self.tls = key, tls
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -47,7 +52,7 @@ class ClusterHarness:
         self.client = self.run(self._client())
 
     async def _client(self) -> TandemClient:
-        return TandemClient(self.cluster.address, self.key)
+        return TandemClient(self.cluster.address, self.key, self.tls)
 
     @property
     def address(self) -> str:
@@ -120,3 +125,44 @@ def offline_reference(requests: list[GenerationRequest]) -> list[list[int]]:
 
     llm = LLM(dtype="float32", num_kv_blocks=512)
     return [c.token_ids for c in llm.generate(requests)]
+
+
+@contextlib.contextmanager
+def fuzz_cluster(data_dir):
+    """A cluster for hostile input (benchmarks/fuzz.py): keys for tenants a and b and an
+    admin, the OpenAI front on, and a few of tenant a's requests already run (their ids are
+    what tenant b's calls probe). Yields (harness, (a's key, b's key, the admin's), a's ids)."""
+    from router.api import tandem_pb2 as pb
+    from router.keys import key_hash
+
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    keys = SimpleNamespace(a="tdm-fuzz-a", b="tdm-fuzz-b", admin="tdm-fuzz-admin")
+    key_file = data_dir / "keys.yaml"
+    key_file.write_text(
+        "keys:\n"
+        f"  - {{sha256: {key_hash(keys.a)}, tenant: a, scopes: [generate]}}\n"
+        f"  - {{sha256: {key_hash(keys.b)}, tenant: b, scopes: [generate]}}\n"
+        f"  - {{sha256: {key_hash(keys.admin)}, tenant: ops, scopes: [generate, admin]}}\n"
+    )
+    h = one_by_one(
+        str(data_dir / "cluster"), key=keys.admin, api_keys_file=str(key_file), http_port=0
+    )
+    ids = [f"a-job-{i}" for i in range(3)]
+
+    async def run_as_a():
+        a = TandemClient(h.address, keys.a)  # made on the harness's loop, as gRPC asks
+        try:
+            for rid in ids:
+                msg = pb.GenerateRequest(
+                    request_id=rid, prompt="Hi", sampling=pb.SamplingParams(max_tokens=4)
+                )
+                assert (await a.generate(msg, timeout_s=120)).status == "OK"
+        finally:
+            await a.close()
+
+    try:
+        h.run(run_as_a())
+        yield h, (keys.a, keys.b, keys.admin), ids
+    finally:
+        h.stop()

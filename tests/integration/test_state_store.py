@@ -324,3 +324,39 @@ def test_the_embedded_redis_is_closed_to_other_local_users(tmp_path):
         assert run(with_store(r.url, lambda s: s.ping()))
     finally:
         r.stop()
+
+
+def test_a_malformed_record_is_skipped_and_later_orphans_are_still_adopted(server):
+    """A record that does not parse (damaged, or written by something else) is logged and
+    skipped once; it must not stop the adoption of every orphan after it."""
+    from types import SimpleNamespace
+
+    from cluster.state import ACTIVE
+    from router.controller import Controller
+
+    adopted = []
+
+    async def go():
+        store = RedisStore(server.url, ttl_s=60)
+        try:
+            await store.create(record("orphan-b", owner="gone-router"))
+            raw = redis.Redis.from_url(server.url)
+            raw.hset(key("orphan-a"), mapping={"sampling": "{not json", "state": "RUNNING"})
+            raw.sadd(ACTIVE, "orphan-a")
+            router = SimpleNamespace(
+                id="router-z",
+                records=SimpleNamespace(store=store),
+                drives=lambda rid: rid in {r.request_id for r in adopted},
+                adopt=adopted.append,
+            )
+            controller = Controller(router, "127.0.0.1:1")
+            await controller.adopt_orphans()
+            await controller.adopt_orphans()  # a second round: skipped, not logged again
+            return controller._malformed
+        finally:
+            await store.close()
+
+    malformed = run(go())
+    assert malformed == {"orphan-a"}
+    ids = [r.request_id for r in adopted]  # (and the module's other orphans)
+    assert "orphan-b" in ids and "orphan-a" not in ids and len(ids) == len(set(ids))

@@ -68,13 +68,15 @@ def nest(path, value):
 
 def companions(leaf, value) -> dict:
     """What makes a field's value valid with the rest: fp16 needs CUDA; a CUDA worker, a
-    whole GPU of its own; both pools on one kind of device."""
+    whole GPU of its own; both pools on one kind of device; TLS, a certificate and its key."""
     if leaf.name == "engine.dtype" and value == "float16":
         return {"engine.device": "cuda", "prefill.gpus": 1.0, "decode.gpus": 1.0}
     if leaf.name == "engine.device":
         return {"prefill.gpus": 1.0, "decode.gpus": 1.0}
     if leaf.name in ("prefill.gpus", "decode.gpus"):
         return {"prefill.gpus": value, "decode.gpus": value}
+    if leaf.name.startswith("router.tls_"):  # a certificate and its key go together
+        return {"router.tls_cert": "cert.pem", "router.tls_key": "key.pem", leaf.name: value}
     return {}
 
 

@@ -35,3 +35,24 @@ def test_a_stop_completed_by_a_token_not_yet_cut_is_never_shown(smollm2_tokenize
         assert stop not in shown and cut.startswith(shown), (stop, shown)
         shown += s.push(ids[1:], cut, True)  # the decode worker's, cut
         assert shown == cut, stop
+
+
+def test_output_that_never_completes_a_character_is_let_out_with_a_bounded_window(
+    smollm2_tokenizer_dir,
+):
+    """A model emitting lone continuation bytes never completes a character: the text is let
+    out after MAX_HELD_TOKENS tokens, and no push re-decodes more than twice that many (the
+    tokens held, after the previous delta's)."""
+    from workers.model.tokenizer import MAX_HELD_TOKENS
+
+    tok = Tokenizer(ModelSource(smollm2_tokenizer_dir))
+    byte = tok.hf.convert_tokens_to_ids("\u0122")  # the byte-level token of byte 0x80
+    assert tok.decode([byte]) == "\ufffd"
+    windows = []
+    decode = tok.decode
+    tok.decode = lambda ids: windows.append(len(ids)) or decode(ids)
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.push([byte]) for _ in range(10 * MAX_HELD_TOKENS)]
+    assert max(windows) <= 2 * MAX_HELD_TOKENS
+    assert "".join(deltas) and deltas[: MAX_HELD_TOKENS - 1] == [""] * (MAX_HELD_TOKENS - 1)
+    assert sum(len(d) > 0 for d in deltas) >= 9  # let out once every window, not held for ever

@@ -125,3 +125,22 @@ def test_requests_at_the_limits_are_taken():
     adm = validate(msg, CountingTokenizer(), 100, 1000)
     assert len(adm.sampling.stop) == 16 and adm.request_id == "A.b_c-9"
     assert msg.ByteSize() < message_bytes_limit(100)  # the largest valid message gets in
+
+
+def test_each_choice_takes_a_slot_and_resume_streams_are_capped():
+    async def go():
+        config = RouterConfig(max_in_flight=4, max_resumes=1)
+        router = Router(NoPools(), tokenizer=None, block_size=16, config=config)
+        wide = Admission("wide", (1, 2), SamplingParams(max_tokens=4, seed=7, n=5))
+        too_many = await first_error(router, wide)
+        router._resumes = 1  # one Resume stream open already
+        try:
+            async for _ in router.resume("anything", 0):
+                pass
+        except RouterError as e:
+            return too_many, e
+
+    too_many, resumes = asyncio.run(go())
+    assert too_many.status is Status.INVALID_ARGUMENT
+    assert "sampling.n=5: each choice takes a slot" in too_many.message
+    assert resumes.status is Status.RESOURCE_EXHAUSTED and "router.max_resumes" in resumes.message

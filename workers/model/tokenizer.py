@@ -57,11 +57,19 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=True)
 
 
+# A UTF-8 character is at most 4 bytes, and a byte-level token at least 1: a delta still
+# ending in a replacement character this many tokens on never completes, and is let out as
+# it is, so that the window re-decoded at every token (the tokens held, after the previous
+# delta's) stays short whatever the model emits.
+MAX_HELD_TOKENS = 8
+
+
 class IncrementalDetokenizer:
     """Turns a growing token list into text deltas without splitting multi-byte characters.
 
     It re-decodes a short window of recent tokens and holds a delta back while it ends in the
-    replacement character, which means a character's bytes are still arriving.
+    replacement character, which means a character's bytes are still arriving, for at most
+    MAX_HELD_TOKENS tokens (as vLLM bounds its own window).
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -75,7 +83,8 @@ class IncrementalDetokenizer:
         self.ids.extend(new_ids)
         before = self.tok.decode(self.ids[self._prefix : self._read])
         after = self.tok.decode(self.ids[self._prefix :])
-        if after.endswith("\ufffd") or len(after) < len(before):
+        held = len(self.ids) - self._read
+        if (after.endswith("\ufffd") and held < MAX_HELD_TOKENS) or len(after) < len(before):
             return ""
         delta = after[len(before) :]
         self._prefix, self._read = self._read, len(self.ids)
