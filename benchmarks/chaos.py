@@ -162,8 +162,11 @@ async def amain(args) -> dict:
     procs: dict = {}
     try:
         gcs = ray.get_runtime_context().gcs_address
-        common = ["--ray-address", gcs, "--redis-url", redis.url, "--port", "0"]
-        up = ["up", *common, "--model", str(model_dir), "--dtype", args.dtype, "--decode", "2"]
+        # Both routers get the same config: a joining router checks its own against the
+        # cluster's.
+        common = ["--ray-address", gcs, "--redis-url", redis.url, "--port", "0",
+                  "--model", str(model_dir), "--dtype", args.dtype]  # fmt: skip
+        up = ["up", *common, "--decode", "2"]
         procs["a"], procs["addr_a"] = spawn(up, data.parent / "chaos-router-a.log", cwd=ROOT)
         procs["b"], addr_b = spawn(
             ["router", *common], data.parent / "chaos-router-b.log", cwd=ROOT

@@ -33,28 +33,21 @@ def add_up_parser(sub) -> None:
 
 
 def add_router_parser(sub) -> None:
+    from cluster.config import add_flags
+
     r = sub.add_parser(
         "router",
         help="serve another router for a running cluster",
         description="Joins the Ray cluster and the Redis of a cluster that `tandem up` "
         "started, finds its workers, and serves gRPC. Routers share the work: any of them "
         "resumes any request, and one of them at a time heals the pools and replays the "
-        "requests of a router that died.",
+        "requests of a router that died. It takes its config as `tandem up` does, from its "
+        "own file and flags (give it the same): never from Redis, whose copy is only checked "
+        "against it. --ray-address and --redis-url (or TANDEM_REDIS_URL, which keeps a "
+        "password out of ps) are required.",
     )
-    r.add_argument("--ray-address", required=True, help="the Ray cluster (HOST:PORT or auto)")
-    r.add_argument(
-        "--redis-url",
-        default=os.environ.get(REDIS_URL_ENV),
-        help="the cluster's Redis (default: the TANDEM_REDIS_URL environment variable, which "
-        "keeps a password out of ps; `tandem up`'s embedded Redis writes its URL to a file)",
-    )
-    r.add_argument("--host", default="127.0.0.1")
-    r.add_argument("--port", type=int, default=50052)
-    r.add_argument(
-        "--api-keys-file",
-        help="this router's API keys (a cluster with keys needs them on every router; "
-        "or the TANDEM_AUTH_TOKEN environment variable)",
-    )
+    r.add_argument("--config", help="YAML or TOML file of cluster config fields")
+    add_flags(r)
     r.set_defaults(func=cmd_router)
 
 
@@ -70,28 +63,18 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    from cluster import config_io
-    from cluster.config import ClusterConfig
+    from cluster.config import load_config
 
-    if not args.redis_url:
-        print(f"tandem router: give --redis-url or {REDIS_URL_ENV}", file=sys.stderr)
-        return 2
     try:
-        cfg = config_io.build(
-            ClusterConfig,
-            {
-                "ray_address": args.ray_address,
-                "redis": {"url": args.redis_url},
-                "router": {
-                    "host": args.host,
-                    "port": args.port,
-                    "api_keys_file": args.api_keys_file,
-                },
-            },
-            "flags",
-        )
+        cfg = load_config(args.config, args)
     except ValueError as e:
         print(f"tandem router: {e}", file=sys.stderr)
+        return 2
+    if not cfg.ray_address:
+        print("tandem router: give --ray-address, the cluster's Ray", file=sys.stderr)
+        return 2
+    if not (cfg.redis.url or os.environ.get(REDIS_URL_ENV)):
+        print(f"tandem router: give --redis-url or {REDIS_URL_ENV}", file=sys.stderr)
         return 2
     return asyncio.run(_serve(cfg, join=True))
 

@@ -84,6 +84,45 @@ def _use_ray_token(address: str) -> None:
 
 
 SECRET = "<not stored>"
+# What every router of a cluster must agree on: how its workers run and how requests are
+# admitted, placed and replayed. Each router's own address, keys and TLS files are its own.
+SHARED_FIELDS = (
+    "mode",
+    "engine",
+    "transfer_timeout_s",
+    "prefill.cpus",
+    "prefill.gpus",
+    "prefill.resources",
+    "prefill.max_replicas",
+    "decode.cpus",
+    "decode.gpus",
+    "decode.resources",
+    "decode.max_replicas",
+    "router.replay",
+    "router.max_retries",
+    "router.local_prefill_max_tokens",
+)
+
+
+def _differences(theirs: dict, ours: dict, paths) -> list[tuple[str, object, object]]:
+    """(path, theirs, ours) of each dotted path whose values differ, leaf by leaf."""
+    out = []
+
+    def get(d, path):
+        for part in path.split("."):
+            d = d.get(part) if isinstance(d, dict) else None
+        return d
+
+    def walk(path, a, b):
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                walk(f"{path}.{k}", a.get(k), b.get(k))
+        elif a != b:
+            out.append((path, a, b))
+
+    for path in paths:
+        walk(path, get(theirs, path), get(ours, path))
+    return out
 
 
 def shared_config(cfg: ClusterConfig, redis_url: str) -> dict:
@@ -125,7 +164,7 @@ class Cluster:
             if not redis_url:
                 raise ValueError("a joining router needs the cluster's --redis-url")
             self.store = RedisStore(redis_url, cfg.redis.ttl_s, cfg.redis.timeout_s)
-            cfg = self.cfg = await self._joined_config(cfg)
+            await self._check_joined(cfg, redis_url)
         src = resolve_model(cfg.engine.model)  # fail fast on a bad model, before anything
         model_cfg = read_model_config(src)
         self._started_ray = init_ray(cfg, progress)
@@ -229,12 +268,26 @@ class Cluster:
             p.max_replicas,
         )
 
-    async def _joined_config(self, cfg: ClusterConfig) -> ClusterConfig:
+    async def _check_joined(self, cfg: ClusterConfig, redis_url: str) -> None:
+        """A joining router runs on its own config (file and flags), never on what Redis
+        holds, which anyone able to write there could have planted: the cluster's copy is only
+        compared with it, and any difference in what the routers must agree on refuses the
+        join, naming each field."""
         stored = await self.store.get_json(CONFIG_KEY)
         if stored is None:
             raise ValueError(
-                f"no Tandem cluster config in Redis at {redact(cfg.redis.url)}: start the "
+                f"no Tandem cluster config in Redis at {redact(redis_url)}: start the "
                 "cluster with `tandem up` first, pointing it at this Redis"
+            )
+        mine = shared_config(cfg, redis_url)
+        differ = [
+            f"{path}: the cluster's {theirs!r}, this router's {ours!r}"
+            for path, theirs, ours in _differences(stored, mine, SHARED_FIELDS)
+        ]
+        if differ:
+            raise ValueError(
+                "this router's config differs from the running cluster's (give it the "
+                "cluster's config file and flags): " + "; ".join(differ)
             )
         if stored["router"].get("auth_token") or stored["router"].get("api_keys_file"):
             if router_keys(cfg.router) is None:
@@ -242,17 +295,6 @@ class Cluster:
                     "the cluster's routers require API keys: give this one its own "
                     "(--api-keys-file, or the TANDEM_AUTH_TOKEN environment variable)"
                 )
-        # Its own keys, never any from Redis (which holds none: see shared_config).
-        stored["router"] = {
-            **stored["router"],
-            "host": cfg.router.host,
-            "port": cfg.router.port,
-            "auth_token": cfg.router.auth_token,
-            "api_keys_file": cfg.router.api_keys_file,
-        }
-        stored["redis"] = {**stored["redis"], "url": cfg.redis.url}
-        stored["ray_address"] = cfg.ray_address
-        return config_io.build(ClusterConfig, stored, "the cluster config in Redis")
 
     async def _discover_workers(self, timeout_s: float = 120.0) -> None:
         loop = asyncio.get_running_loop()

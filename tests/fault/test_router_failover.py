@@ -31,29 +31,15 @@ def routers(tmp_path_factory):
     redis = EmbeddedRedis(tmp / "redis").start()
     procs = []
     try:
-        common = ["--ray-address", gcs, "--redis-url", redis.url, "--port", "0"]
-        a, addr_a = spawn(
-            [
-                "up",
-                *common,
-                "--dtype",
-                "float32",
-                "--num-kv-blocks",
-                "640",
-                "--decode",
-                "2",
-                "--prefill-cpus",
-                "0.5",
-                "--decode-cpus",
-                "0.5",
-            ],
-            tmp / "router-a.log",
-            timeout_s=300,
-        )
+        # Every router of the cluster is given the same config (they check it at join).
+        common = ["--ray-address", gcs, "--redis-url", redis.url, "--port", "0", "--dtype",
+                  "float32", "--num-kv-blocks", "640", "--prefill-cpus", "0.5",
+                  "--decode-cpus", "0.5"]  # fmt: skip
+        a, addr_a = spawn(["up", *common, "--decode", "2"], tmp / "router-a.log", timeout_s=300)
         procs.append(a)
         b, addr_b = spawn(["router", *common], tmp / "router-b.log", timeout_s=300)
         procs.append(b)
-        yield {"a": a, "b": b, "addr_a": addr_a, "addr_b": addr_b, "redis": redis}
+        yield {"a": a, "b": b, "addr_a": addr_a, "addr_b": addr_b, "redis": redis, "common": common}
     finally:
         for p in procs:
             if p.poll() is None:
@@ -155,10 +141,8 @@ async def active(routers) -> list[str]:
 def test_requests_of_a_dead_router_are_replayed_when_their_worker_dies(routers):
     """Router C takes requests, dies; then their decode worker dies. Router B, the
     controller, adopts them and replays them from the token log; their clients resume on B."""
-    gcs = ray.get_runtime_context().gcs_address
-    common = ["--ray-address", gcs, "--redis-url", routers["redis"].url, "--port", "0"]
     c, addr_c = spawn(
-        ["router", *common], routers["redis"].data_dir / "router-c.log", timeout_s=300
+        ["router", *routers["common"]], routers["redis"].data_dir / "router-c.log", timeout_s=300
     )
 
     async def go():

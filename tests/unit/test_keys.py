@@ -143,3 +143,41 @@ def test_the_config_shared_through_redis_holds_no_secret():
     assert stored["router"]["auth_token"] == SECRET  # marked set: a keyless joiner is refused
     assert stored["router"]["api_keys_file"] == "/etc/k.yaml"  # a path, not a secret
     assert shared_config(ClusterConfig(), "redis://127.0.0.1:1/0")["router"]["auth_token"] is None
+
+
+class StoredConfig:
+    def __init__(self, value) -> None:
+        self.value = value
+
+    async def get_json(self, name):
+        return self.value
+
+
+def joined(stored: dict, cfg: ClusterConfig):
+    import asyncio
+
+    from cluster.cluster import Cluster
+
+    c = Cluster(cfg, join=True)
+    c.store = StoredConfig(stored)
+    return asyncio.run(c._check_joined(cfg, "redis://127.0.0.1:1/0"))
+
+
+def test_a_joining_router_runs_on_its_own_config_and_refuses_a_different_or_planted_one():
+    from workers.engine.config import EngineConfig
+
+    up = ClusterConfig(engine=EngineConfig(dtype="float32"), router=RouterConfig(port=50051))
+    stored = shared_config(up, "redis://127.0.0.1:1/0")
+    same = ClusterConfig(engine=EngineConfig(dtype="float32"), router=RouterConfig(port=50052))
+    joined(stored, same)  # its own address and keys are its own
+    with pytest.raises(ValueError, match="engine.dtype: the cluster's 'float32', this router's"):
+        joined(stored, ClusterConfig())
+    planted = {**stored, "engine": {**stored["engine"], "model": "/tmp/evil"}}
+    with pytest.raises(ValueError, match="engine.model: the cluster's '/tmp/evil'"):
+        joined(planted, same)
+    keyed_up = ClusterConfig(
+        engine=EngineConfig(dtype="float32"), router=RouterConfig(auth_token="s3cret")
+    )
+    keyed = shared_config(keyed_up, "redis://x:1/0")
+    with pytest.raises(ValueError, match="require API keys"):
+        joined(keyed, same)
