@@ -159,6 +159,8 @@ class Cluster:
 
     async def start(self, progress=print) -> Cluster:
         cfg = self.cfg
+        # Keys and certificates read first: a bad file fails the start before anything runs.
+        keys, tls = router_keys(cfg.router), ServerTLS.of(cfg.router)
         redis_url = cfg.redis.url or os.environ.get(REDIS_URL_ENV)
         if self.join:
             if not redis_url:
@@ -212,7 +214,6 @@ class Cluster:
         await self.router.start()
         # The longest sequence the workers take: a longer one is refused here, as invalid.
         max_len = cfg.engine.context_len(model_cfg.max_position_embeddings)
-        keys, tls = router_keys(cfg.router), ServerTLS.of(cfg.router)
         self.server, self.port, self.controller = await start_server(
             self.router,
             cfg.router.port,

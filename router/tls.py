@@ -47,12 +47,20 @@ class ServerTLS:
         if not cfg.tls_cert:
             return None
         client_ca = _read(cfg.tls_client_ca, "router.tls_client_ca")
-        return cls(
+        tls = cls(
             _read(cfg.tls_cert, "router.tls_cert"),
             _read(cfg.tls_key, "router.tls_key"),
             client_ca,
             _read(cfg.tls_ca, "router.tls_ca") or client_ca,
         )
+        try:  # loaded once now, so that a bad pair fails the start, not the first client
+            tls.http_context()
+        except (ssl.SSLError, ValueError) as e:
+            raise TLSFileError(
+                f"router.tls_cert/tls_key/tls_client_ca: not a PEM certificate, its key and "
+                f"a CA: {e}"
+            ) from None
+        return tls
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials(

@@ -181,3 +181,16 @@ def test_a_joining_router_runs_on_its_own_config_and_refuses_a_different_or_plan
     keyed = shared_config(keyed_up, "redis://x:1/0")
     with pytest.raises(ValueError, match="require API keys"):
         joined(keyed, same)
+
+
+def test_a_bad_certificate_or_key_file_fails_the_start_naming_its_field(tmp_path):
+    from router.tls import ServerTLS, TLSFileError
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.write_text("not a certificate")
+    key.write_text("not a key")
+    with pytest.raises(TLSFileError, match="router.tls_cert/tls_key"):
+        ServerTLS.of(RouterConfig(tls_cert=str(cert), tls_key=str(key)))
+    with pytest.raises(TLSFileError, match="router.tls_key=.*absent.pem: cannot read it"):
+        ServerTLS.of(RouterConfig(tls_cert=str(cert), tls_key=str(tmp_path / "absent.pem")))
+    assert ServerTLS.of(RouterConfig()) is None
