@@ -1,7 +1,7 @@
 """The `tandem` command line.
 
 tandem up [--config F] [--model M] [--prefill N] [--decode M] [--mode ...] [--port P] ...
-tandem router --ray-address ADDR --redis-url URL [--port P]
+tandem router [--config F] [cluster flags] --ray-address ADDR --redis-url URL [--port P]
 tandem generate --offline [--model M] [--dtype D] [--requests FILE.jsonl] [--json] [PROMPT]
 tandem generate --address HOST:PORT[,HOST:PORT...] [--requests FILE.jsonl] [--json] [PROMPT]
 tandem status --address HOST:PORT [--json]

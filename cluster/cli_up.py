@@ -1,6 +1,7 @@
 """`tandem up`: start (or join) Ray, Redis, the pools and a router; stop on Ctrl-C/SIGTERM.
-`tandem router`: serve one more router for a running cluster, from Ray's and Redis's
-addresses alone; stopping it leaves the cluster running."""
+`tandem router`: serve one more router for a running cluster, on the cluster's config (its
+own file and flags, checked against the cluster's copy in Redis); stopping it leaves the
+cluster running."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from cluster.config import REDIS_URL_ENV
 
 # What `tandem up` and `tandem router` print on stdout once they serve: then the address.
 SERVING = "tandem serving on "
+JOIN_PORT = 50052  # a joining router's default gRPC port, beside the first router's 50051
 
 
 def add_up_parser(sub) -> None:
@@ -70,6 +73,12 @@ def cmd_router(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"tandem router: {e}", file=sys.stderr)
         return 2
+    # Where it listens is its own, never the file's (the first router's): --port (default
+    # 50052) and --http-port (default none).
+    given = vars(args)
+    port = cfg.router.port if "cfg__router__port" in given else JOIN_PORT
+    http_port = cfg.router.http_port if "cfg__router__http_port" in given else None
+    cfg = replace(cfg, router=replace(cfg.router, port=port, http_port=http_port))
     if not cfg.ray_address:
         print("tandem router: give --ray-address, the cluster's Ray", file=sys.stderr)
         return 2

@@ -4,9 +4,10 @@
                    -> a router (the first controller)
     tandem router: Ray (joined) -> Redis (given) -> the pools as they are -> another router
 
-`tandem up` writes the cluster's config to Redis, so another router can join with no more
-than Ray's and Redis's addresses. Workers are detached actors: they outlive any router, and
-only `tandem up`'s orderly stop removes them.
+`tandem up` writes the cluster's config to Redis (no secret in it); a router that joins runs
+on its own config, the same file and flags, and only checks it against that copy. Workers
+are detached actors: they outlive any router, and only `tandem up`'s orderly stop removes
+them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from cluster.redis_server import EmbeddedRedis
 from cluster.state import RedisStore, redact
 from router.core import Router
 from router.http import OpenAIFront, start_http
-from router.keys import router_keys
+from router.keys import AUTH_TOKEN_ENV, router_keys
 from router.server import start_server
 from router.tls import ServerTLS
 from workers.messages import Pool
@@ -130,7 +131,8 @@ def shared_config(cfg: ClusterConfig, redis_url: str) -> dict:
     Redis URL loses its password (a joining router has its own URL), and the auth token is
     only marked as set, so that a router joining without keys of its own is refused."""
     stored = config_io.to_mapping(replace(cfg, redis=replace(cfg.redis, url=redact(redis_url))))
-    if stored["router"].get("auth_token"):
+    # Set in the config or from TANDEM_AUTH_TOKEN alike: only that there is one.
+    if stored["router"].get("auth_token") or os.environ.get(AUTH_TOKEN_ENV):
         stored["router"]["auth_token"] = SECRET
     return stored
 
@@ -138,7 +140,7 @@ def shared_config(cfg: ClusterConfig, redis_url: str) -> dict:
 class Cluster:
     def __init__(self, cfg: ClusterConfig, join: bool = False) -> None:
         """join=False: start the pools (tandem up); True: serve the pools that another
-        `tandem up` started, reading the cluster's config from its Redis (tandem router)."""
+        `tandem up` started, on a config checked against the cluster's (tandem router)."""
         self.cfg = cfg
         self.join = join
         self.redis: EmbeddedRedis | None = None
@@ -290,12 +292,19 @@ class Cluster:
                 "this router's config differs from the running cluster's (give it the "
                 "cluster's config file and flags): " + "; ".join(differ)
             )
-        if stored["router"].get("auth_token") or stored["router"].get("api_keys_file"):
-            if router_keys(cfg.router) is None:
-                raise ValueError(
-                    "the cluster's routers require API keys: give this one its own "
-                    "(--api-keys-file, or the TANDEM_AUTH_TOKEN environment variable)"
-                )
+        theirs = stored["router"]
+        if (theirs.get("auth_token") or theirs.get("api_keys_file")) and router_keys(
+            cfg.router
+        ) is None:
+            raise ValueError(
+                "the cluster's routers require API keys: give this one its own "
+                "(--api-keys-file, or the TANDEM_AUTH_TOKEN environment variable)"
+            )
+        if theirs.get("tls_cert") and not cfg.router.tls_cert:
+            raise ValueError(
+                "the cluster's routers serve TLS: give this one its certificate and key "
+                "(--tls-cert, --tls-key), or it would serve in the clear"
+            )
 
     async def _discover_workers(self, timeout_s: float = 120.0) -> None:
         loop = asyncio.get_running_loop()

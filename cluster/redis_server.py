@@ -6,7 +6,8 @@ writes may have lost, the routers and decode workers write again).
 It is closed to other local users: a generated password (`requirepass`, given in a config
 file of mode 0600, never on the command line where `ps` shows it), and a data folder of mode
 0700 around the AOF, which holds every prompt and output. The URL with its password is kept
-in `url` in that folder, for a router that joins (`tandem router --redis-url "$(cat F)"`)."""
+in `url` in that folder, for a router that joins (`TANDEM_REDIS_URL="$(cat F)" tandem router
+...`: an environment variable, which ps does not show)."""
 
 from __future__ import annotations
 

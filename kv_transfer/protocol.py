@@ -32,8 +32,10 @@ import torch
 from kv_transfer.layout import DTYPE_CODES, KVLayout, LayoutMismatch
 
 MAGIC = 0x54414E44  # "TAND"
-VERSION = 3
-_ID_BYTES = 64
+VERSION = 4
+# A request id as workers see it: with API keys, "<tenant>/<id>" (64 + 1 + 64 bytes), and
+# "#<choice>" after it for n > 1.
+_ID_BYTES = 160
 _FIXED = 11
 HEADER_LEN = _FIXED + _ID_BYTES // 8
 ACK_OK = 0

@@ -51,6 +51,7 @@ from router.validation import (
 from workers.messages import Status
 
 log = logging.getLogger(__name__)
+MAX_MESSAGES = 1024  # a chat's turns, each adding the template's own tokens
 # The caller's tenant, as its key says, kept on each aiohttp request (RequestKey: 3.13 on).
 TENANT = web.RequestKey("tenant", str) if hasattr(web, "RequestKey") else "tandem.tenant"
 
@@ -270,12 +271,16 @@ class OpenAIFront:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise HttpError(400, "messages: give a non-empty list of messages", "messages")
+            if len(messages) > MAX_MESSAGES:
+                raise HttpError(
+                    400, f"messages: {len(messages)}, at most {MAX_MESSAGES}", "messages"
+                )
             turns = []
             for m in messages:
                 if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
                     raise HttpError(400, "messages: each needs a role and content", "messages")
                 turns.append({"role": m["role"], "content": _content(m.get("content"))})
-            self._check_text("messages", [t["content"] for t in turns])
+            self._check_text("messages", [t["role"] + t["content"] for t in turns])
             try:
                 return self.tokenizer.encode_messages(turns)
             except Exception as e:  # no template, or the template refuses these roles

@@ -110,11 +110,13 @@ def _reject_malformed(request) -> None:
         raise RouterError(Status.INVALID_ARGUMENT, request.why)
 
 
-async def _abort(context, e: RouterError) -> None:
+async def _abort(context, e: RouterError, tenant: str | None = None) -> None:
     # A request's final outcome is marked, so a client does not take it for a broken router
     # and resume elsewhere; a passing condition (no worker yet, Redis away) is left unmarked.
     meta = ((FINAL_KEY, "1"),) if e.final else ()
-    await context.abort(getattr(grpc.StatusCode, e.status.value), e.message, trailing_metadata=meta)
+    # Ids as the client knows them: without the tenant the router scopes them by.
+    message = e.message.replace(scoped_id(tenant, ""), "") if tenant else e.message
+    await context.abort(getattr(grpc.StatusCode, e.status.value), message, trailing_metadata=meta)
 
 
 def _failed(chunk) -> RouterError | None:
@@ -138,6 +140,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         return None if who is None else who.tenant
 
     async def Generate(self, request, context):
+        tenant = self._tenant(context)
         try:
             _reject_malformed(request)
             try:
@@ -147,7 +150,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 )
             except (InvalidRequest, ValueError) as e:
                 raise RouterError(Status.INVALID_ARGUMENT, str(e)) from None
-            client_id, tenant = adm.request_id, self._tenant(context)
+            client_id = adm.request_id
             if tenant is not None:  # the key's tenant, never the request's own say
                 adm = replace(adm, request_id=scoped_id(tenant, client_id), tenant=tenant)
             completion = [0] * adm.sampling.n  # per choice
@@ -161,29 +164,34 @@ class GenerationService(pb_grpc.GenerationServicer):
                         client_id, chunk, len(adm.prompt_ids), completion[chunk.index]
                     )
         except RouterError as e:
-            await _abort(context, e)
+            await _abort(context, e, tenant)
 
     async def Cancel(self, request, context):
+        tenant = self._tenant(context)
         try:
             _reject_malformed(request)
-            rid = scoped_id(self._tenant(context), request.request_id)
+            rid = scoped_id(tenant, request.request_id)
             return pb.CancelResponse(found=await self.router.cancel(rid))
         except RouterError as e:
-            await _abort(context, e)
+            await _abort(context, e, tenant)
 
     async def Resume(self, request, context):
         """A request's tokens from `offset`, then the live ones, to its end."""
+        tenant = self._tenant(context)
         try:
             _reject_malformed(request)
             client_id, total = request.request_id, request.offset
-            rid = scoped_id(self._tenant(context), client_id)
-            async for chunk in self.router.resume(rid, request.offset, request.index):
-                if (err := _failed(chunk)) is not None:
-                    raise err
-                total += len(chunk.token_ids)
-                yield convert.response(client_id, chunk, 0, total)
+            rid = scoped_id(tenant, client_id)
+            # Closed however the call ends, so the Resume stream it counts is given back.
+            resumed = self.router.resume(rid, request.offset, request.index)
+            async with contextlib.aclosing(resumed) as chunks:
+                async for chunk in chunks:
+                    if (err := _failed(chunk)) is not None:
+                        raise err
+                    total += len(chunk.token_ids)
+                    yield convert.response(client_id, chunk, 0, total)
         except RouterError as e:
-            await _abort(context, e)
+            await _abort(context, e, tenant)
 
 
 class AdminService(pb_grpc.AdminServicer):
@@ -239,8 +247,16 @@ class AdminService(pb_grpc.AdminServicer):
             raise RouterError(
                 Status.UNAVAILABLE, "no controller router is known now; retry in a few seconds"
             )
-        # The caller's own key goes on: the controller checks it as this router did.
+        # The caller's own key goes on, for the controller to check as this router did: only
+        # to a router whose certificate a CA of ours signed, never to whatever address Redis
+        # names (anyone able to write Redis could name their own).
         key = bearer(context.invocation_metadata())
+        if key and (self.tls is None or self.tls.peer_ca is None):
+            raise RouterError(
+                Status.FAILED_PRECONDITION,
+                f"this router is not the controller: send {method} to the controller router, "
+                f"{address} (a key goes from router to router only over TLS with router.tls_ca)",
+            )
         metadata = [("authorization", f"Bearer {key}")] if key else None
         async with tls_channel(address, self.tls) as channel:
             stub = pb_grpc.AdminStub(channel)

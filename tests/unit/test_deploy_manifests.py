@@ -235,6 +235,10 @@ def test_the_deploy_is_closed_by_default():
         env = {e["name"]: e for e in c["env"]}
         assert env["RAY_AUTH_MODE"]["value"] == "token", group
         assert secret_ref(env, "RAY_AUTH_TOKEN")["name"] == "tandem-secrets", group
+    [rc] = of_kind("RayCluster")
+    autoscaler = {e["name"]: e for e in rc["spec"]["autoscalerOptions"]["env"]}
+    assert autoscaler["RAY_AUTH_MODE"]["value"] == "token"
+    assert secret_ref(autoscaler, "RAY_AUTH_TOKEN")["name"] == "tandem-secrets"
     # Redis: a password from the same Secret.
     [redis] = named("StatefulSet", "tandem-redis")["spec"]["template"]["spec"]["containers"]
     redis_env = {e["name"]: e for e in redis["env"]}

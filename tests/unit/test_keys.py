@@ -194,3 +194,31 @@ def test_a_bad_certificate_or_key_file_fails_the_start_naming_its_field(tmp_path
     with pytest.raises(TLSFileError, match="router.tls_key=.*absent.pem: cannot read it"):
         ServerTLS.of(RouterConfig(tls_cert=str(cert), tls_key=str(tmp_path / "absent.pem")))
     assert ServerTLS.of(RouterConfig()) is None
+
+
+def test_the_longest_scoped_choice_id_fits_the_kv_header():
+    """A tenant of 64 characters, an id of 64 and a choice's suffix: what workers carry."""
+    from kv_transfer.layout import KVLayout
+    from kv_transfer.protocol import TransferDescriptor, empty_header
+    from workers.engine.request import choice_id
+
+    rid = choice_id(scoped_id("t" * 64, "i" * 64), 63)
+    desc = TransferDescriptor(rid, KVLayout(2, 1, 4, 4, "float32"), 1, 3)
+    assert desc.encode().shape == empty_header().shape
+    assert TransferDescriptor.decode(desc.encode(), desc.layout) == desc
+
+
+def test_keys_from_the_environment_and_tls_bind_a_joining_router_too(monkeypatch):
+    from workers.engine.config import EngineConfig
+
+    engine = EngineConfig(dtype="float32")
+    monkeypatch.setenv(AUTH_TOKEN_ENV, "from-env")
+    stored = shared_config(ClusterConfig(engine=engine), "redis://127.0.0.1:1/0")
+    assert stored["router"]["auth_token"] == SECRET and "from-env" not in repr(stored)
+    monkeypatch.delenv(AUTH_TOKEN_ENV)
+    with pytest.raises(ValueError, match="require API keys"):
+        joined(stored, ClusterConfig(engine=engine))
+    tls = RouterConfig(tls_cert="c.pem", tls_key="k.pem")
+    served = shared_config(ClusterConfig(engine=engine, router=tls), "redis://127.0.0.1:1/0")
+    with pytest.raises(ValueError, match="serve TLS"):
+        joined(served, ClusterConfig(engine=engine))
