@@ -360,6 +360,12 @@ def fuzz(run, address: str, http_url: str, keys: Keys, n_grpc: int, n_http: int,
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as client:
         for phase in ("largest", "hostile"):
+            what = (
+                "the largest requests"
+                if phase == "largest"
+                else f"{n_grpc} gRPC calls, {n_http} HTTP bodies"
+            )
+            print(f"[fuzz] sending {what}", flush=True)
             stop.clear()
             task = run(watched())
             t0 = time.perf_counter()
