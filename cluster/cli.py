@@ -142,7 +142,13 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cluster.cli_remote import add_client_flags, cmd_drain, cmd_scale, cmd_status
+    from cluster.cli_remote import (
+        add_client_flags,
+        cmd_drain,
+        cmd_scale,
+        cmd_status,
+        cmd_tenants,
+    )
 
     parser = argparse.ArgumentParser(
         prog="tandem", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -216,6 +222,26 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--json", action="store_true")
     add_client_flags(dr)
     dr.set_defaults(func=cmd_drain)
+    te = sub.add_parser(
+        "tenants",
+        help="read or change the tenants' weights, caps, quotas, tiers and max waits",
+        description="Prints each tenant's policy and what it holds on the router; with --set, "
+        "changes a tenant's fields first, on that router, from its next admission on (the "
+        "entry 'default' stands for every tenant not named). A field set to 'none' goes "
+        "back to the default entry's.",
+    )
+    te.add_argument("--address", required=True)
+    te.add_argument(
+        "--set",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("TENANT", "FIELD=VALUE,..."),
+        help="e.g. --set gold weight=4,tier=0,tokens_per_minute=60000 (repeatable)",
+    )
+    te.add_argument("--json", action="store_true")
+    add_client_flags(te)
+    te.set_defaults(func=cmd_tenants)
     add_keys_parser(sub)
     return parser
 

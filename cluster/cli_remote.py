@@ -1,5 +1,5 @@
-"""`tandem generate --address`, `tandem status`, `tandem scale` and `tandem drain`: clients of
-a running cluster."""
+"""`tandem generate --address`, `tandem status`, `tandem scale`, `tandem drain` and `tandem
+tenants`: clients of a running cluster."""
 
 from __future__ import annotations
 
@@ -163,6 +163,85 @@ async def _drain(args) -> int:
     return await _admin(args, "drain", [(f"drain {args.worker}", call)])
 
 
+def cmd_tenants(args: argparse.Namespace) -> int:
+    return asyncio.run(_tenants(args))
+
+
+TENANT_FIELDS = {
+    "weight": float,
+    "max_concurrency": int,
+    "tokens_per_minute": float,
+    "tier": int,
+    "max_wait_s": float,
+}
+
+
+def tenant_request(sets: list[tuple[str, str]]):
+    """A TenantsRequest from --set TENANT FIELD=VALUE,... pairs ('none' unsets max_wait_s)."""
+    from router.api import tandem_pb2 as pb
+
+    request = pb.TenantsRequest()
+    for name, fields in sets:
+        p = request.set.add(name=name)
+        for item in filter(None, (f.strip() for f in fields.split(","))):
+            field, sep, value = item.partition("=")
+            if not sep or field not in TENANT_FIELDS:
+                raise ValueError(
+                    f"{item!r}: give FIELD=VALUE, FIELD one of {', '.join(TENANT_FIELDS)}"
+                )
+            if value.lower() == "none":
+                if field != "max_wait_s":
+                    raise ValueError(f"{field}: only max_wait_s may be none")
+                value = "0"
+            try:
+                setattr(p, field, TENANT_FIELDS[field](value))
+            except ValueError:
+                raise ValueError(f"{item!r}: {field} takes a number") from None
+    return request
+
+
+async def _tenants(args) -> int:
+    import grpc
+
+    from router.client import TandemClient, tenants_to_dict
+
+    try:
+        request = tenant_request(args.set)
+    except ValueError as e:
+        print(f"tandem tenants: --set {e}", file=sys.stderr)
+        return 2
+    client = TandemClient(args.address, client_key(args), client_tls(args))
+    try:
+        reply = await client.admin.Tenants(request, timeout=30)
+    except grpc.aio.AioRpcError as e:
+        print(f"tandem tenants: {args.address}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    finally:
+        await client.close()
+    tenants = tenants_to_dict(reply.tenants)
+    error = reply.length_error_tokens
+    if args.json:
+        print(json.dumps({"tenants": tenants, "length_error_tokens": error}))
+    else:
+        print_tenants(tenants)
+        if error >= 0:
+            print(f"output-length prediction: mean absolute error {error:.1f} tokens")
+    return 0
+
+
+def print_tenants(tenants: list[dict]) -> None:
+    for t in tenants:
+        quota = "none" if t["tokens_per_minute"] == 0 else f"{t['tokens_per_minute']:.0f}/min"
+        left = "" if t["quota_left"] is None else f" ({t['quota_left']:.0f} left)"
+        cap = t["max_concurrency"] or "-"
+        wait = f"{t['max_wait_s']:g}s" if t["max_wait_s"] else "-"
+        print(
+            f"tenant {t['name']:<12} tier={t['tier']} weight={t['weight']:g} "
+            f"max_concurrency={cap} quota={quota}{left} max_wait={wait} "
+            f"running={t['running']} waiting={t['waiting']} served={t['served']:.0f}"
+        )
+
+
 async def _status(args) -> int:
     import grpc
 
@@ -197,6 +276,7 @@ def print_status(s: dict) -> None:
         print(f"{pool} pool: {p['live']}/{p['target']} live{starting}, {p['restarts']} restarts")
         if p.get("autoscale"):
             print(f"  autoscale: {p['autoscale']}")
+    print_tenants(s.get("tenants", []))
     rows = [w for pool in ("prefill", "decode") for w in s[pool]]
     states = []
     for w in rows:

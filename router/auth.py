@@ -27,6 +27,7 @@ METHOD_SCOPES = {
     "/tandem.v1.Admin/Status": ANY_KEY,
     "/tandem.v1.Admin/Scale": ADMIN,
     "/tandem.v1.Admin/Drain": ADMIN,
+    "/tandem.v1.Admin/Tenants": ADMIN,
 }
 UNAUTHENTICATED_MESSAGE = "missing or wrong API key (send metadata authorization: Bearer <key>)"
 

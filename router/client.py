@@ -19,12 +19,19 @@ import grpc
 
 from router.api import tandem_pb2 as pb
 from router.api import tandem_pb2_grpc as pb_grpc
-from router.convert import status_to_dict
+from router.convert import status_to_dict, tenants_to_dict
 from router.tls import ClientTLS, channel
 from workers.completion import Completion, GenerationRequest
 from workers.engine.request import SamplingParams
 
-__all__ = ["TandemClient", "StreamResult", "to_proto", "status_to_dict", "fetch_status"]
+__all__ = [
+    "TandemClient",
+    "StreamResult",
+    "to_proto",
+    "status_to_dict",
+    "tenants_to_dict",
+    "fetch_status",
+]
 FINAL_KEY = "tandem-final"  # trailing metadata on every status a router decides
 
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from router.tenants import TenantsConfig
+
+ADMISSION_POLICIES = ("fcfs", "priority", "sjf", "slack")
+
 
 def _h(text: str, **more) -> dict:
     return {"help": text, **more}
@@ -51,6 +55,32 @@ class RouterConfig:
         default=256,
         metadata=_h("sequences generating at once (a request of n choices takes n)"),
     )
+    admission_policy: str = field(
+        default="fcfs",
+        metadata=_h(
+            "order of the requests waiting for a slot, within a tier and (with "
+            "admission_fair_share) behind the tenant least served: fcfs, priority (the "
+            "request's, aged), sjf (least predicted cost), slack (least time to its TTFT "
+            "deadline)",
+            choices=ADMISSION_POLICIES,
+        ),
+    )
+    admission_fair_share: bool = field(
+        default=True,
+        metadata=_h("admit the tenant served least for its weight first (tokens, as VTC)"),
+    )
+    admission_aging_per_s: float = field(
+        default=0.0,
+        metadata=_h("priority policy: priority a waiting request gains each second"),
+    )
+    admission_max_wait_s: float | None = field(
+        default=None,
+        metadata=_h(
+            "a request waiting this long for a slot goes ahead of all that have not "
+            "(a tenant's own tenants.max_wait_s first; default: off)"
+        ),
+    )
+    tenants: TenantsConfig = field(default_factory=TenantsConfig)
     max_resumes: int = field(
         default=1024, metadata=_h("Resume streams open at once; past it: RESOURCE_EXHAUSTED")
     )
@@ -126,3 +156,9 @@ class RouterConfig:
                 raise bad(name, "must be positive")
         if self.max_retries < 0:
             raise bad("max_retries", "must be >= 0")
+        if self.admission_policy not in ADMISSION_POLICIES:
+            raise bad("admission_policy", f"choose {', '.join(ADMISSION_POLICIES)}")
+        if self.admission_aging_per_s < 0:
+            raise bad("admission_aging_per_s", "must be >= 0")
+        if self.admission_max_wait_s is not None and self.admission_max_wait_s <= 0:
+            raise bad("admission_max_wait_s", "must be positive (or unset)")

@@ -11,6 +11,7 @@ from workers.messages import PoolStatus, WorkerStatus
 
 if TYPE_CHECKING:  # the stream pulls in the tokenizer; clients import this module without it
     from router.stream import Chunk
+    from router.tenants import Tenant
 
 
 def response(request_id: str, chunk: Chunk, prompt_tokens: int, completion_tokens: int):
@@ -35,6 +36,39 @@ def response(request_id: str, chunk: Chunk, prompt_tokens: int, completion_token
             )
         )
     return msg
+
+
+def tenant_policy(t: Tenant) -> pb.TenantPolicy:
+    return pb.TenantPolicy(
+        name=t.name,
+        weight=t.weight,
+        max_concurrency=t.max_concurrency,
+        tokens_per_minute=t.tokens_per_minute,
+        tier=t.tier,
+        max_wait_s=t.max_wait_s or 0.0,
+    )
+
+
+def tenant_changes(p: pb.TenantPolicy) -> dict:
+    """The fields a TenantsRequest sets (max_wait_s 0: unset, back to the router's)."""
+    changes = {
+        name: getattr(p, name)
+        for name in ("weight", "max_concurrency", "tokens_per_minute", "tier", "max_wait_s")
+        if p.HasField(name)
+    }
+    if changes.get("max_wait_s") == 0:
+        changes["max_wait_s"] = None
+    return changes
+
+
+def tenant_state(s) -> pb.TenantState:
+    return pb.TenantState(
+        policy=tenant_policy(s.policy),
+        running=s.running,
+        waiting=s.waiting,
+        served=s.served,
+        quota_left=-1.0 if s.quota_left is None else s.quota_left,
+    )
 
 
 def worker_status(s: WorkerStatus) -> pb.WorkerStatus:
@@ -117,4 +151,23 @@ def status_to_dict(s: pb.StatusResponse) -> dict:
             "recovery_max_s": round(r.recovery_max_s, 3),
             "store_available": r.store_available,
         },
+        "tenants": tenants_to_dict(s.tenants),
     }
+
+
+def tenants_to_dict(tenants) -> list[dict]:
+    return [
+        {
+            "name": t.policy.name,
+            "weight": t.policy.weight,
+            "max_concurrency": t.policy.max_concurrency,
+            "tokens_per_minute": t.policy.tokens_per_minute,
+            "tier": t.policy.tier,
+            "max_wait_s": t.policy.max_wait_s or None,
+            "running": t.running,
+            "waiting": t.waiting,
+            "served": round(t.served, 1),
+            "quota_left": None if t.quota_left < 0 else round(t.quota_left, 1),
+        }
+        for t in tenants
+    ]

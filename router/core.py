@@ -1,9 +1,11 @@
 """The router's request path, independent of gRPC and HTTP:
 
-    admit (queue bound) -> record QUEUED in the store -> a RequestDriver runs the attempts
-    (router/driver.py) -> its stream's chunks go to the caller -> final state in the store
+    admit (queue bound, the tenant's quota) -> wait for slots in fair order (router/fair.py)
+    -> record QUEUED in the store -> a RequestDriver runs the attempts (router/driver.py)
+    -> its stream's chunks go to the caller -> final state in the store
 
-The Router owns admission and the table of requests it drives; the workers are the Fleet's
+The Router owns the table of requests it drives and runs each through admission control
+(router/admission.py: tenants, quotas, predictions, fair order); the workers are the Fleet's
 (router/fleet.py), the store's records the Records' (router/records.py). Drivers see neither
 the Router nor those classes, only the narrow interfaces of router/driving.py.
 
@@ -19,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
+from router.admission import AdmissionControl
 from router.config import RouterConfig
 from router.directory import WorkerDirectory
 from router.driver import RequestDriver, SharedStart, WorkerLost
@@ -28,7 +31,6 @@ from router.fleet import Fleet
 from router.metrics import RouterMetrics
 from router.records import Records
 from router.resume import from_stream, tail_log
-from router.slots import Slots
 from router.store import RecordState, RequestRecord, RequestStore
 from router.stream import Chunk, RequestStream, follow_all
 from router.validation import Admission
@@ -83,7 +85,7 @@ class Router:
         )
         self._drivers: dict[str, RequestDriver] = {}  # by request id (a choice's own id)
         self._groups: dict[str, SharedStart] = {}  # n > 1 requests, by the request's id
-        self._slots = Slots(config.max_in_flight)  # a request of n choices takes n
+        self.admission = AdmissionControl(config, self.metrics)
         self._queue_depth = 0
         self._resumes = 0  # Resume streams open now
         self._tasks: list[asyncio.Task] = []
@@ -96,8 +98,11 @@ class Router:
     @config.setter
     def config(self, config: RouterConfig) -> None:
         """Its timeouts, limits, replay and retry settings take effect for every request from
-        its next wait or attempt on; max_in_flight alone (the slots) is fixed at start."""
+        its next wait or attempt on, its admission order from the next slot freed;
+        max_in_flight alone (the slots) is fixed at start, and the tenants are changed
+        through `admission.tenants` (router/tenants.py)."""
         self._env.config = self.fleet.config = config
+        self.admission.configure(config)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -139,32 +144,32 @@ class Router:
     async def generate(self, adm: Admission) -> AsyncIterator[Chunk]:
         """The request's chunks to its end; with n > 1, every choice's, each tagged with its
         index, and the stream ends once all have ended."""
-        rid, spec = adm.request_id, adm.spec
-        n = spec.choices
-        specs = [spec.choice(i) for i in range(n)] if n > 1 else [spec]
+        rid = adm.request_id
         if rid in self._drivers or rid in self._groups:
             raise RouterError(Status.ALREADY_EXISTS, f"request {rid} is already running")
-        if n > self._slots.total:
-            raise RouterError(
-                Status.INVALID_ARGUMENT,
-                f"sampling.n={n}: each choice takes a slot, and this router has "
-                f"{self._slots.total} (router.max_in_flight)",
-            )
         if self._queue_depth >= self.config.max_queue:
             raise RouterError(
                 Status.RESOURCE_EXHAUSTED,
                 f"the admission queue is full ({self._queue_depth} waiting); retry later",
             )
+        ticket, spec = self.admission.ticket(adm)
         self._check_pools()
-        timer = self.metrics.stream()  # from admission: time in the queue counts
+        timer = self.metrics.stream(ticket.tenant, spec.tenancy.tier)  # queue time counts
+        n = spec.choices
+        specs = [spec.choice(i) for i in range(n)] if n > 1 else [spec]
         self._queue_depth += 1
         self.metrics.queue(self._queue_depth, len(self._drivers))
         try:
-            await self._slots.acquire(n)
+            await self.admission.acquire(ticket)
+        except RouterError:
+            self.metrics.refused(timer.tenant_tags, "late")
+            raise
         finally:
             self._queue_depth -= 1
+        timer.admitted(ticket.prompt_tokens)
         drivers: list[RequestDriver] = []
         shared = SharedStart(self._env, spec) if n > 1 else None
+        made = [0] * n  # output tokens of each choice
         try:
             await self._create_records(specs, adm.tenant)
             for i, c in enumerate(specs):
@@ -182,9 +187,10 @@ class Router:
             async for chunk in follow_all([d.stream for d in drivers]):
                 status = chunk.finish_reason if chunk.status is Status.OK else chunk.status.value
                 timer.chunk(chunk.index, len(chunk.token_ids), chunk.finished, status or "")
+                self.admission.served(ticket, made, chunk)
                 yield chunk
         finally:
-            self._slots.release(n)
+            self.admission.release(ticket)
             if not self._leaving:
                 for driver in drivers:
                     if not driver.stream.finished and driver.task is not None:
@@ -312,7 +318,12 @@ class Router:
         """Drive a request whose router is gone (its record claimed for this router): watched
         while it still runs where it ran, replayed if it does not."""
         spec = RequestSpec(
-            rec.request_id, rec.prompt_ids, rec.sampling, rec.attempt + 1, priority=rec.priority
+            rec.request_id,
+            rec.prompt_ids,
+            rec.sampling,
+            rec.attempt + 1,
+            priority=rec.priority,
+            tenancy=self.admission.tenancy(rec.tenant),
         )
         index = choice_index(rec.request_id)
         stream = RequestStream.open(rec.request_id, self.tokenizer, spec.sampling.stop, index=index)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -88,20 +89,30 @@ _SAMPLING = (
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.retry_after_s = retry_after_s
 
     @classmethod
     def of(cls, e: RouterError) -> HttpError:
-        return cls(HTTP_STATUS.get(e.status, 500), e.message)
+        return cls(HTTP_STATUS.get(e.status, 500), e.message, retry_after_s=e.retry_after_s)
 
     def body(self) -> dict:
         kind = _ERROR_TYPE.get(self.status, "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": None}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+        headers = None
+        if self.retry_after_s is not None:
+            headers = {"Retry-After": str(math.ceil(self.retry_after_s))}
+        return web.json_response(self.body(), status=self.status, headers=headers)
 
 
 class OpenAIFront:
@@ -188,7 +199,9 @@ class OpenAIFront:
         # In a thread: a long prompt's tokenizing must not hold the event loop.
         ids = await asyncio.to_thread(self._prompt_ids, body, chat)
         try:
-            msg = pb.GenerateRequest(prompt_ids=ids, sampling=self._sampling(body, chat, len(ids)))
+            msg = pb.GenerateRequest(
+                prompt_ids=ids, sampling=self._sampling(body, chat, len(ids)), **_scheduling(body)
+            )
         except ValueError:  # an id past int32
             raise HttpError(400, "prompt: token ids must be in the vocabulary", "prompt") from None
         try:
@@ -513,6 +526,32 @@ _UNSERVED = {
     "guided_grammar": (None,),
     "prompt_logprobs": (None, 0),
 }
+
+
+# Extensions of the body (as vLLM's `priority`): the request's place in admission and its
+# service targets. The tenant is never among them: it comes from the key.
+_SCHEDULING = {
+    "priority": int,
+    "ttft_slo_ms": float,
+    "tpot_slo_ms": float,
+    "reject_if_late": bool,
+}
+
+
+def _scheduling(body: dict) -> dict:
+    out = {}
+    for name, kind in _SCHEDULING.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        ok = isinstance(value, bool) if kind is bool else (
+            isinstance(value, (int, float)) and not isinstance(value, bool)
+            and (kind is float or float(value).is_integer())
+        )  # fmt: skip
+        if not ok or (kind is int and not -(2**31) <= value < 2**31):
+            raise HttpError(400, f"{name}={value!r}: expected {kind.__name__}", name)
+        out[name] = kind(value)
+    return out
 
 
 def _refuse_unserved(body: dict) -> None:

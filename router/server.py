@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from dataclasses import replace
 
 import grpc
@@ -101,6 +102,7 @@ def _add_admin(servicer: AdminService, server) -> None:
             "Status": (pb.StatusRequest, pb.StatusResponse, False),
             "Scale": (pb.ScaleRequest, pb.ScaleResponse, False),
             "Drain": (pb.DrainRequest, pb.DrainResponse, False),
+            "Tenants": (pb.TenantsRequest, pb.TenantsResponse, False),
         },
     )
 
@@ -114,6 +116,8 @@ async def _abort(context, e: RouterError, tenant: str | None = None) -> None:
     # A request's final outcome is marked, so a client does not take it for a broken router
     # and resume elsewhere; a passing condition (no worker yet, Redis away) is left unmarked.
     meta = ((FINAL_KEY, "1"),) if e.final else ()
+    if e.retry_after_s is not None:
+        meta += (("retry-after", str(math.ceil(e.retry_after_s))),)
     # Ids as the client knows them: without the tenant the router scopes them by.
     message = e.message.replace(scoped_id(tenant, ""), "") if tenant else e.message
     await context.abort(getattr(grpc.StatusCode, e.status.value), message, trailing_metadata=meta)
@@ -238,7 +242,29 @@ class AdminService(pb_grpc.AdminServicer):
         for s in await router.fleet.snapshot(self.status_timeout_s):
             field = out.prefill if s.pool is Pool.PREFILL else out.decode
             field.append(convert.worker_status(s))
+        out.tenants.extend(convert.tenant_state(t) for t in router.admission.states())
         return out
+
+    async def Tenants(self, request, context):
+        """Read the tenants; with `set`, change them on this router first (each router
+        admits its own requests: send the change to each)."""
+        try:
+            _reject_malformed(request)
+            admission = self.router.admission
+            table = admission.tenants
+            for p in request.set:
+                try:
+                    table.update(p.name, **convert.tenant_changes(p))
+                except ValueError as e:
+                    raise RouterError(Status.INVALID_ARGUMENT, str(e)) from None
+                log.warning("tenant %s changed: %s", p.name, table.policy(p.name))
+            error = admission.predictor.mean_abs_error
+            return pb.TenantsResponse(
+                tenants=[convert.tenant_state(t) for t in admission.states()],
+                length_error_tokens=-1.0 if error is None else error,
+            )
+        except RouterError as e:
+            await _abort(context, e)
 
     async def _forward(self, method: str, request, context):
         """Pool changes are made by the controller alone: pass them on to it."""

@@ -26,6 +26,7 @@ MAX_LOGIT_BIAS = 1024
 # A prompt's text is refused unread past this many bytes per token of the model's context:
 # no text that long could fit it, and tokenizing it would hold the router's event loop.
 MAX_PROMPT_BYTES_PER_TOKEN = 64
+MAX_SLO_MS = 3_600_000.0  # an hour: past it, a target means nothing
 
 
 def prompt_bytes_limit(max_model_len: int) -> int:
@@ -50,6 +51,9 @@ class Admission:
     sampling: SamplingParams  # its seed resolved: the request's own, or drawn here
     priority: int = 0
     tenant: str = ""
+    ttft_slo_ms: float | None = None  # None: the tier's default
+    tpot_slo_ms: float | None = None
+    reject_if_late: bool = False
 
     @property
     def spec(self) -> RequestSpec:
@@ -141,7 +145,15 @@ def validate(msg: pb.GenerateRequest, tokenizer, max_model_len: int, vocab_size:
         )
     except ValueError as e:  # SamplingParams names the field and the rule
         raise InvalidRequest(f"sampling.{e}") from None
-    return Admission(rid, tuple(ids), sampling, msg.priority, msg.tenant)
+    slo = {}
+    for name in ("ttft_slo_ms", "tpot_slo_ms"):
+        if msg.HasField(name):
+            value = getattr(msg, name)
+            if not (math.isfinite(value) and 0 < value <= MAX_SLO_MS):
+                raise InvalidRequest(f"{name}={value}: must be in (0, {MAX_SLO_MS:.0f}] ms")
+            slo[name] = decimal_of_float32(value)
+    late, tenant = msg.reject_if_late, msg.tenant
+    return Admission(rid, tuple(ids), sampling, msg.priority, tenant, **slo, reject_if_late=late)
 
 
 def check_prompt_text(name: str, texts: str | list[str], max_model_len: int) -> None:

@@ -121,6 +121,7 @@ class HeldRequests:
             first[0].logprob,
             first[0].top_logprobs,
             siblings=tuple(_sampled(cid, first[i]) for i, cid in run[1:]),
+            tenancy=spec.tenancy,
         )
         # From here each choice is followed, and logged, under its own id.
         events = []
@@ -152,7 +153,12 @@ class HeldRequests:
                 return False
             self.drop(rid)
         self.engine.add_request(
-            list(spec.prompt_ids), spec.sampling, rid, spec.priority, output_ids=spec.output_ids
+            list(spec.prompt_ids),
+            spec.sampling,
+            rid,
+            spec.priority,
+            output_ids=spec.output_ids,
+            tenancy=spec.tenancy,
         )
         for i in range(spec.choices):  # n > 1: the engine forks them once the prompt is in
             cid = choice_id(rid, i)

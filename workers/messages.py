@@ -33,6 +33,7 @@ from workers.engine.request import (
     ErrorKind,
     FinishReason,
     SamplingParams,
+    Tenancy,
     choice_id,
     choice_seed,
 )
@@ -149,6 +150,7 @@ class RequestSpec:
     output_ids: tuple[int, ...] = ()
     priority: int = 0
     router_id: str = ""  # the router that follows this attempt's events
+    tenancy: Tenancy = Tenancy()
 
     def __post_init__(self) -> None:
         assert self.sampling.seed is not None, "resolve the seed before a request leaves"

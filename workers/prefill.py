@@ -121,6 +121,7 @@ class PrefillWorker(WorkerBase):
             output_ids=spec.output_ids,
             stop_after=len(spec.output_ids) + 1,
             keep_kv=True,
+            tenancy=spec.tenancy,
         )
 
     def cancel(self, request_id: str, notify: bool = False, attempt: int | None = None) -> bool:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ctandem.proto\x12\ttandem.v1\"\xeb\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x12\n\x05min_p\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\x05\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x08\x88\x01\x01\x12<\n\nlogit_bias\x18\x0f \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x10 \x01(\x05\x12\t\n\x01n\x18\x11 \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"\x98\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0e\n\x06tenant\x18\x06 \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"N\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\"\xc7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x1f\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Final\x12,\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs\x12\r\n\x05index\x18\x08 \x01(\r\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"B\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\r\n\x05index\x18\x03 \x01(\r\"\x0f\n\rStatusRequest\"\xb3\x02\n\x0cWorkerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\x05\x12\x0f\n\x07running\x18\x07 \x01(\x05\x12\x0f\n\x07waiting\x18\x08 \x01(\x05\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\x10\n\x08reserved\x18\n \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x0b \x01(\x03\x12\r\n\x05steps\x18\x0c \x01(\x03\x12\x13\n\x0bpreemptions\x18\r \x01(\x03\x12\x19\n\x11prefix_hit_blocks\x18\x0e \x01(\x03\x12\x16\n\x0eunresponsive_s\x18\x0f \x01(\x01\"\x81\x02\n\x0cRouterStatus\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\x05\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x11\n\trouter_id\x18\x04 \x01(\t\x12\x12\n\ncontroller\x18\x05 \x01(\x08\x12\x19\n\x11replays_in_flight\x18\x06 \x01(\x05\x12\x15\n\rreplays_total\x18\x07 \x01(\x03\x12\x19\n\x11replays_recovered\x18\x08 \x01(\x03\x12\x16\n\x0erecovery_p50_s\x18\t \x01(\x02\x12\x16\n\x0erecovery_max_s\x18\n \x01(\x02\x12\x17\n\x0fstore_available\x18\x0b \x01(\x08\"o\n\nPoolStatus\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\x05\x12\x0c\n\x04live\x18\x03 \x01(\x05\x12\x10\n\x08starting\x18\x04 \x01(\x05\x12\x10\n\x08restarts\x18\x05 \x01(\x05\x12\x11\n\tautoscale\x18\x06 \x01(\t\"\xb2\x01\n\x0eStatusResponse\x12(\n\x07prefill\x18\x01 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12\'\n\x06\x64\x65\x63ode\x18\x02 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12\'\n\x06router\x18\x03 \x01(\x0b\x32\x17.tandem.v1.RouterStatus\x12$\n\x05pools\x18\x04 \x03(\x0b\x32\x15.tandem.v1.PoolStatus\".\n\x0cScaleRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\x05\" \n\rScaleResponse\x12\x0f\n\x07workers\x18\x01 \x03(\t\"1\n\x0c\x44rainRequest\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x02\"1\n\rDrainResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\xd5\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12=\n\x06\x43\x61ncel\x12\x18.tandem.v1.CancelRequest\x1a\x19.tandem.v1.CancelResponse\x12\x41\n\x06Resume\x12\x18.tandem.v1.ResumeRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x32\xbe\x01\n\x05\x41\x64min\x12=\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x19.tandem.v1.StatusResponse\x12:\n\x05Scale\x12\x17.tandem.v1.ScaleRequest\x1a\x18.tandem.v1.ScaleResponse\x12:\n\x05\x44rain\x12\x17.tandem.v1.DrainRequest\x1a\x18.tandem.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ctandem.proto\x12\ttandem.v1\"\xeb\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x12\n\x05min_p\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\x05\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x08\x88\x01\x01\x12<\n\nlogit_bias\x18\x0f \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x10 \x01(\x05\x12\t\n\x01n\x18\x11 \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"\x84\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x12\x18\n\x0bttft_slo_ms\x18\x07 \x01(\x02H\x00\x88\x01\x01\x12\x18\n\x0btpot_slo_ms\x18\x08 \x01(\x02H\x01\x88\x01\x01\x12\x16\n\x0ereject_if_late\x18\t \x01(\x08\x42\x0e\n\x0c_ttft_slo_msB\x0e\n\x0c_tpot_slo_ms\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"N\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Usage\"\xc7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x1f\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Final\x12,\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs\x12\r\n\x05index\x18\x08 \x01(\r\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"B\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\r\n\x05index\x18\x03 \x01(\r\"\x0f\n\rStatusRequest\"\xb3\x02\n\x0cWorkerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\x05\x12\x0f\n\x07running\x18\x07 \x01(\x05\x12\x0f\n\x07waiting\x18\x08 \x01(\x05\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\x10\n\x08reserved\x18\n \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x0b \x01(\x03\x12\r\n\x05steps\x18\x0c \x01(\x03\x12\x13\n\x0bpreemptions\x18\r \x01(\x03\x12\x19\n\x11prefix_hit_blocks\x18\x0e \x01(\x03\x12\x16\n\x0eunresponsive_s\x18\x0f \x01(\x01\"\x81\x02\n\x0cRouterStatus\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\x05\x12\x11\n\tin_flight\x18\x02 \x01(\x05\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x11\n\trouter_id\x18\x04 \x01(\t\x12\x12\n\ncontroller\x18\x05 \x01(\x08\x12\x19\n\x11replays_in_flight\x18\x06 \x01(\x05\x12\x15\n\rreplays_total\x18\x07 \x01(\x03\x12\x19\n\x11replays_recovered\x18\x08 \x01(\x03\x12\x16\n\x0erecovery_p50_s\x18\t \x01(\x02\x12\x16\n\x0erecovery_max_s\x18\n \x01(\x02\x12\x17\n\x0fstore_available\x18\x0b \x01(\x08\"o\n\nPoolStatus\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\x05\x12\x0c\n\x04live\x18\x03 \x01(\x05\x12\x10\n\x08starting\x18\x04 \x01(\x05\x12\x10\n\x08restarts\x18\x05 \x01(\x05\x12\x11\n\tautoscale\x18\x06 \x01(\t\"\xdb\x01\n\x0eStatusResponse\x12(\n\x07prefill\x18\x01 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12\'\n\x06\x64\x65\x63ode\x18\x02 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12\'\n\x06router\x18\x03 \x01(\x0b\x32\x17.tandem.v1.RouterStatus\x12$\n\x05pools\x18\x04 \x03(\x0b\x32\x15.tandem.v1.PoolStatus\x12\'\n\x07tenants\x18\x05 \x03(\x0b\x32\x16.tandem.v1.TenantState\"\xe8\x01\n\x0cTenantPolicy\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x06weight\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x1c\n\x0fmax_concurrency\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x1e\n\x11tokens_per_minute\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x11\n\x04tier\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x17\n\nmax_wait_s\x18\x06 \x01(\x01H\x04\x88\x01\x01\x42\t\n\x07_weightB\x12\n\x10_max_concurrencyB\x14\n\x12_tokens_per_minuteB\x07\n\x05_tierB\r\n\x0b_max_wait_s\"|\n\x0bTenantState\x12\'\n\x06policy\x18\x01 \x01(\x0b\x32\x17.tandem.v1.TenantPolicy\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x0e\n\x06served\x18\x04 \x01(\x01\x12\x12\n\nquota_left\x18\x05 \x01(\x01\"6\n\x0eTenantsRequest\x12$\n\x03set\x18\x01 \x03(\x0b\x32\x17.tandem.v1.TenantPolicy\"W\n\x0fTenantsResponse\x12\'\n\x07tenants\x18\x01 \x03(\x0b\x32\x16.tandem.v1.TenantState\x12\x1b\n\x13length_error_tokens\x18\x02 \x01(\x01\".\n\x0cScaleRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\x05\" \n\rScaleResponse\x12\x0f\n\x07workers\x18\x01 \x03(\t\"1\n\x0c\x44rainRequest\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x02\"1\n\rDrainResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\xd5\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12=\n\x06\x43\x61ncel\x12\x18.tandem.v1.CancelRequest\x1a\x19.tandem.v1.CancelResponse\x12\x41\n\x06Resume\x12\x18.tandem.v1.ResumeRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x32\x80\x02\n\x05\x41\x64min\x12=\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x19.tandem.v1.StatusResponse\x12:\n\x05Scale\x12\x17.tandem.v1.ScaleRequest\x1a\x18.tandem.v1.ScaleResponse\x12:\n\x05\x44rain\x12\x17.tandem.v1.DrainRequest\x1a\x18.tandem.v1.DrainResponse\x12@\n\x07Tenants\x12\x19.tandem.v1.TenantsRequest\x1a\x1a.tandem.v1.TenantsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,41 +38,49 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=463
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=511
   _globals['_GENERATEREQUEST']._serialized_start=650
-  _globals['_GENERATEREQUEST']._serialized_end=802
-  _globals['_USAGE']._serialized_start=804
-  _globals['_USAGE']._serialized_end=861
-  _globals['_FINAL']._serialized_start=863
-  _globals['_FINAL']._serialized_end=941
-  _globals['_GENERATERESPONSE']._serialized_start=944
-  _globals['_GENERATERESPONSE']._serialized_end=1143
-  _globals['_TOPLOGPROBS']._serialized_start=1145
-  _globals['_TOPLOGPROBS']._serialized_end=1195
-  _globals['_CANCELREQUEST']._serialized_start=1197
-  _globals['_CANCELREQUEST']._serialized_end=1232
-  _globals['_CANCELRESPONSE']._serialized_start=1234
-  _globals['_CANCELRESPONSE']._serialized_end=1265
-  _globals['_RESUMEREQUEST']._serialized_start=1267
-  _globals['_RESUMEREQUEST']._serialized_end=1333
-  _globals['_STATUSREQUEST']._serialized_start=1335
-  _globals['_STATUSREQUEST']._serialized_end=1350
-  _globals['_WORKERSTATUS']._serialized_start=1353
-  _globals['_WORKERSTATUS']._serialized_end=1660
-  _globals['_ROUTERSTATUS']._serialized_start=1663
-  _globals['_ROUTERSTATUS']._serialized_end=1920
-  _globals['_POOLSTATUS']._serialized_start=1922
-  _globals['_POOLSTATUS']._serialized_end=2033
-  _globals['_STATUSRESPONSE']._serialized_start=2036
-  _globals['_STATUSRESPONSE']._serialized_end=2214
-  _globals['_SCALEREQUEST']._serialized_start=2216
-  _globals['_SCALEREQUEST']._serialized_end=2262
-  _globals['_SCALERESPONSE']._serialized_start=2264
-  _globals['_SCALERESPONSE']._serialized_end=2296
-  _globals['_DRAINREQUEST']._serialized_start=2298
-  _globals['_DRAINREQUEST']._serialized_end=2347
-  _globals['_DRAINRESPONSE']._serialized_start=2349
-  _globals['_DRAINRESPONSE']._serialized_end=2398
-  _globals['_GENERATION']._serialized_start=2401
-  _globals['_GENERATION']._serialized_end=2614
-  _globals['_ADMIN']._serialized_start=2617
-  _globals['_ADMIN']._serialized_end=2807
+  _globals['_GENERATEREQUEST']._serialized_end=910
+  _globals['_USAGE']._serialized_start=912
+  _globals['_USAGE']._serialized_end=969
+  _globals['_FINAL']._serialized_start=971
+  _globals['_FINAL']._serialized_end=1049
+  _globals['_GENERATERESPONSE']._serialized_start=1052
+  _globals['_GENERATERESPONSE']._serialized_end=1251
+  _globals['_TOPLOGPROBS']._serialized_start=1253
+  _globals['_TOPLOGPROBS']._serialized_end=1303
+  _globals['_CANCELREQUEST']._serialized_start=1305
+  _globals['_CANCELREQUEST']._serialized_end=1340
+  _globals['_CANCELRESPONSE']._serialized_start=1342
+  _globals['_CANCELRESPONSE']._serialized_end=1373
+  _globals['_RESUMEREQUEST']._serialized_start=1375
+  _globals['_RESUMEREQUEST']._serialized_end=1441
+  _globals['_STATUSREQUEST']._serialized_start=1443
+  _globals['_STATUSREQUEST']._serialized_end=1458
+  _globals['_WORKERSTATUS']._serialized_start=1461
+  _globals['_WORKERSTATUS']._serialized_end=1768
+  _globals['_ROUTERSTATUS']._serialized_start=1771
+  _globals['_ROUTERSTATUS']._serialized_end=2028
+  _globals['_POOLSTATUS']._serialized_start=2030
+  _globals['_POOLSTATUS']._serialized_end=2141
+  _globals['_STATUSRESPONSE']._serialized_start=2144
+  _globals['_STATUSRESPONSE']._serialized_end=2363
+  _globals['_TENANTPOLICY']._serialized_start=2366
+  _globals['_TENANTPOLICY']._serialized_end=2598
+  _globals['_TENANTSTATE']._serialized_start=2600
+  _globals['_TENANTSTATE']._serialized_end=2724
+  _globals['_TENANTSREQUEST']._serialized_start=2726
+  _globals['_TENANTSREQUEST']._serialized_end=2780
+  _globals['_TENANTSRESPONSE']._serialized_start=2782
+  _globals['_TENANTSRESPONSE']._serialized_end=2869
+  _globals['_SCALEREQUEST']._serialized_start=2871
+  _globals['_SCALEREQUEST']._serialized_end=2917
+  _globals['_SCALERESPONSE']._serialized_start=2919
+  _globals['_SCALERESPONSE']._serialized_end=2951
+  _globals['_DRAINREQUEST']._serialized_start=2953
+  _globals['_DRAINREQUEST']._serialized_end=3002
+  _globals['_DRAINRESPONSE']._serialized_start=3004
+  _globals['_DRAINRESPONSE']._serialized_end=3053
+  _globals['_GENERATION']._serialized_start=3056
+  _globals['_GENERATION']._serialized_end=3269
+  _globals['_ADMIN']._serialized_start=3272
+  _globals['_ADMIN']._serialized_end=3528
 # @@protoc_insertion_point(module_scope)

@@ -211,6 +211,11 @@ class AdminStub:
                 request_serializer=tandem__pb2.DrainRequest.SerializeToString,
                 response_deserializer=tandem__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Tenants = channel.unary_unary(
+                '/tandem.v1.Admin/Tenants',
+                request_serializer=tandem__pb2.TenantsRequest.SerializeToString,
+                response_deserializer=tandem__pb2.TenantsResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -234,6 +239,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tenants(self, request, context):
+        """Reads the tenants' policies and what they hold now; with `set`, changes them first (on
+        this router, from its next admission on).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -251,6 +264,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=tandem__pb2.DrainRequest.FromString,
                     response_serializer=tandem__pb2.DrainResponse.SerializeToString,
+            ),
+            'Tenants': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tenants,
+                    request_deserializer=tandem__pb2.TenantsRequest.FromString,
+                    response_serializer=tandem__pb2.TenantsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -334,6 +352,33 @@ class Admin:
             '/tandem.v1.Admin/Drain',
             tandem__pb2.DrainRequest.SerializeToString,
             tandem__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tenants(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Admin/Tenants',
+            tandem__pb2.TenantsRequest.SerializeToString,
+            tandem__pb2.TenantsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,7 +2,7 @@
 
 from workers.engine.block_pool import BlockPool
 from workers.engine.config import SchedulerConfig
-from workers.engine.request import Request, SamplingParams
+from workers.engine.request import NO_TENANCY, Request, SamplingParams
 from workers.engine.scheduler import Scheduler
 from workers.engine.scheduler_output import SampledToken
 
@@ -14,7 +14,9 @@ def make_scheduler(num_blocks=64, block_size=4, prefix_caching=True, **cfg) -> S
     return Scheduler(SchedulerConfig(**cfg), BlockPool(num_blocks, block_size, prefix_caching))
 
 
-def make_request(rid, prompt_len=6, max_tokens=4, priority=0, first_token=1, **sp) -> Request:
+def make_request(
+    rid, prompt_len=6, max_tokens=4, priority=0, first_token=1, tenancy=NO_TENANCY, **sp
+) -> Request:
     prompt = [first_token + (i % 50) for i in range(prompt_len)]
     return Request(
         rid,
@@ -22,6 +24,7 @@ def make_request(rid, prompt_len=6, max_tokens=4, priority=0, first_token=1, **s
         SamplingParams(max_tokens=max_tokens, **sp),
         eos_token_ids=(EOS,),
         priority=priority,
+        tenancy=tenancy,
     )
 
 

@@ -28,6 +28,9 @@ def other_value(leaf: config_io.Leaf):
         "router.port": 6000,
         "prefill.autoscale.signal": "ttft_p90",
         "decode.autoscale.signal": "tpot_p90",
+        "engine.prefill_share": 0.25,
+        "router.tenants.tier_ttft_slo_ms": {"0": 500.0},
+        "router.tenants.tier_tpot_slo_ms": {"0": 50.0},
     }
     if leaf.name in special:
         return special[leaf.name]

@@ -3,6 +3,7 @@ bearer tokens."""
 
 import asyncio
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -144,3 +145,39 @@ def test_each_choice_takes_a_slot_and_resume_streams_are_capped():
     assert too_many.status is Status.INVALID_ARGUMENT
     assert "sampling.n=5: each choice takes a slot" in too_many.message
     assert resumes.status is Status.RESOURCE_EXHAUSTED and "router.max_resumes" in resumes.message
+
+
+def test_a_spent_quota_is_resource_exhausted_with_when_to_retry():
+    from router.tenants import TenantsConfig
+
+    async def go():
+        tenants = TenantsConfig(tokens_per_minute={"metered": 60})
+        router = Router(NoPools(), None, 16, config=RouterConfig(tenants=tenants))
+        router.admission.tenants.charge("metered", 90)  # 30 tokens in debt
+        adm = Admission("q1", (1, 2, 3), SamplingParams(max_tokens=4, seed=7), tenant="metered")
+        spent = await first_error(router, adm)
+        other = await first_error(router, admission("q2"))  # another tenant: not refused
+        late = await first_error(router, replace(admission("q3"), reject_if_late=True))
+        return spent, other, late
+
+    spent, other, late = asyncio.run(go())
+    assert spent.status is Status.RESOURCE_EXHAUSTED and not spent.final
+    assert "tokens_per_minute" in spent.message
+    assert spent.retry_after_s == pytest.approx(33.0, abs=0.5)  # 30 owed + 3 asked, 1 a second
+    assert other.status is Status.UNAVAILABLE  # on to the (empty) pools
+    assert late.status is Status.INVALID_ARGUMENT and "ttft_slo_ms" in late.message
+
+
+def test_tandem_tenants_set_builds_its_request_and_names_bad_fields():
+    from cluster.cli_remote import tenant_request
+
+    r = tenant_request(
+        [("gold", "weight=4,tier=0,max_wait_s=none"), ("free", "tokens_per_minute=600")]
+    )
+    gold, free = r.set
+    assert (gold.name, gold.weight, gold.tier, gold.max_wait_s) == ("gold", 4.0, 0, 0.0)
+    assert not gold.HasField("max_concurrency") and free.tokens_per_minute == 600
+    for bad, why in (("colour=red", "FIELD one of"), ("tier=x", "takes a number"),
+                     ("weight=none", "only max_wait_s")):  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            tenant_request([("gold", bad)])

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.sched_helpers import EOS, make_request, make_scheduler
-from workers.engine.request import RequestStatus
+from workers.engine.request import RequestStatus, Tenancy
 from workers.engine.scheduler_output import SampledToken
 
 BLOCK = 4
@@ -54,10 +54,12 @@ ops = st.lists(
     budget=st.integers(16, 64),
     caching=st.booleans(),
     batching=st.sampled_from(["continuous", "static"]),
-    policy=st.sampled_from(["fcfs", "priority", "shortest-first"]),
+    policy=st.sampled_from(["fcfs", "priority", "shortest-first", "sjf"]),
+    fair=st.booleans(),
+    prefill_share=st.sampled_from([1.0, 0.5, 0.1]),
 )
 def test_random_workloads_never_leak_and_always_finish(
-    ops, num_blocks, chunk, budget, caching, batching, policy
+    ops, num_blocks, chunk, budget, caching, batching, policy, fair, prefill_share
 ):
     s = make_scheduler(
         num_blocks=num_blocks,
@@ -68,6 +70,9 @@ def test_random_workloads_never_leak_and_always_finish(
         max_num_batched_tokens=budget,
         batching=batching,
         policy=policy,
+        fair_share=fair,
+        aging_per_s=0.5,
+        prefill_share=prefill_share,
     )
     ids = []
     for op in ops:
@@ -75,8 +80,12 @@ def test_random_workloads_never_leak_and_always_finish(
             _, prompt_len, max_tokens, family = op
             rid = f"r{len(ids)}"
             # Requests of one family share a prompt prefix, exercising the prefix cache.
+            # Two tenants of different weights and tiers, a prediction for some.
+            tenancy = Tenancy(f"t{family % 2}", 1.0 + 2 * (family % 2), family // 2, family * 3.0)
             s.add_request(
-                make_request(rid, prompt_len, max_tokens, priority=family, first_token=1 + family)
+                make_request(
+                    rid, prompt_len, max_tokens, family, first_token=1 + family, tenancy=tenancy
+                )
             )
             ids.append(rid)
         elif op[0] == "step":

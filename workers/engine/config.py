@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from workers.model.flash_rules import ATTENTION_BACKENDS, FLASH_PAGE_MULTIPLE, flash_refusal
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-POLICIES = ("fcfs", "priority", "shortest-first")
+POLICIES = ("fcfs", "priority", "shortest-first", "sjf")
 BATCHING = ("continuous", "static")
 # What "auto" resolves to on each kind of device: a dtype and block size every backend there
 # takes (flash-attn's pages are 256 tokens; the fallbacks take any size). On a GPU older than
@@ -34,6 +34,10 @@ class SchedulerConfig:
     watermark: float = 0.01  # share of blocks kept free at admission
     # Pace prompt chunks so running sequences keep this mean time per output token (pacing.py)
     target_tpot_ms: float | None = None
+    fair_share: bool = True  # order tenants by tokens served for their weight (policy.py)
+    aging_per_s: float = 0.0  # priority: what a request gains for each second it waits
+    max_wait_s: float | None = None  # a request waiting this long goes first, any policy
+    prefill_share: float = 1.0  # most of a step's token budget prompts take beside decodes
 
     def __post_init__(self) -> None:
         for name in (
@@ -52,6 +56,14 @@ class SchedulerConfig:
             )
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark={self.watermark}: must be in [0, 1)")
+        if not 0 < self.prefill_share <= 1:
+            raise ValueError(f"prefill_share={self.prefill_share}: must be in (0, 1]")
+        if self.prefill_share < 1 and not self.enable_chunked_prefill:
+            raise ValueError("prefill_share limits prompt chunks: it needs enable_chunked_prefill")
+        if self.aging_per_s < 0:
+            raise ValueError(f"aging_per_s={self.aging_per_s}: must be >= 0")
+        if self.max_wait_s is not None and not self.max_wait_s > 0:
+            raise ValueError(f"max_wait_s={self.max_wait_s}: must be positive (or unset)")
         if self.target_tpot_ms is not None:
             t = self.target_tpot_ms
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
@@ -109,7 +121,35 @@ class EngineConfig:
         ),
     )
     enable_prefix_caching: bool = field(default=True, metadata=_h("reuse KV of shared prefixes"))
-    policy: str = field(default="fcfs", metadata=_h("scheduling order", choices=POLICIES))
+    policy: str = field(
+        default="fcfs",
+        metadata=_h(
+            "scheduling order: fcfs, priority (lower first), shortest-first (prompt tokens "
+            "left), sjf (prompt left plus predicted output left)",
+            choices=POLICIES,
+        ),
+    )
+    fair_share: bool = field(
+        default=True,
+        metadata=_h("tenants first by tier, then by tokens served for their weight (VTC)"),
+    )
+    aging_per_s: float = field(
+        default=0.0, metadata=_h("priority policy: priority a request gains per second waiting")
+    )
+    max_wait_s: float | None = field(
+        default=None,
+        metadata=_h(
+            "a request waiting this long goes ahead of all that have not, whatever the policy "
+            "(default: off; shortest-first and sjf then let none wait past 10 s)"
+        ),
+    )
+    prefill_share: float = field(
+        default=1.0,
+        metadata=_h(
+            "decode-first to prefill-first: the most of a step's tokens prompt chunks may "
+            "take while decodes run (1: all the decodes leave)"
+        ),
+    )
     batching: str = field(default="continuous", metadata=_h("", choices=BATCHING))
     seed: int = field(
         default=0, metadata=_h("seeds the draw of per-request seeds for requests that set none")
@@ -204,6 +244,10 @@ class EngineConfig:
             prefill_chunk_size=self.prefill_chunk_size,
             target_tpot_ms=self.target_tpot_ms,
             policy=self.policy,
+            fair_share=self.fair_share,
+            aging_per_s=self.aging_per_s,
+            max_wait_s=self.max_wait_s,
+            prefill_share=self.prefill_share,
             batching=self.batching,
             max_model_len=max_model_len,
         )

@@ -33,11 +33,13 @@ from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import GraphCapture
 from workers.engine.model_runner import GraphSettings, ModelRunner
 from workers.engine.request import (
+    NO_TENANCY,
     ErrorKind,
     FinishReason,
     Request,
     RequestStatus,
     SamplingParams,
+    Tenancy,
     choice_id,
     choice_index,
     split_choice,
@@ -160,6 +162,7 @@ class LLMEngine:
         output_ids: list[int] | tuple[int, ...] = (),
         stop_after: int | None = None,
         keep_kv: bool = False,
+        tenancy: Tenancy = NO_TENANCY,
     ) -> str:
         """Queue a request. `output_ids` are tokens it already generated (a replay): they
         are computed with the prompt and generation continues after them, with the sampler at
@@ -180,6 +183,7 @@ class LLMEngine:
             output_token_ids=list(output_ids),
             stop_after=stop_after,
             keep_kv=keep_kv,
+            tenancy=tenancy,
         )
         self.scheduler.add_request(req)
         if sampling.stop and stop_after is None:  # a prefill never ends on a stop
@@ -308,6 +312,7 @@ class LLMEngine:
         last_logprob: float | None = None,
         last_top_logprobs: tuple[tuple[int, float], ...] | None = None,
         siblings: tuple[SampledToken, ...] = (),
+        tenancy: Tenancy = NO_TENANCY,
     ) -> list[RequestOutput]:
         """Admit a request prefilled elsewhere: the KV of the prompt and of every output
         token but the last (just sampled) is in its reserved blocks. With n > 1, `siblings`
@@ -335,6 +340,7 @@ class LLMEngine:
             priority=priority,
             seed=seed,
             output_token_ids=list(output_ids),
+            tenancy=tenancy,
         )
         if last_logprob is not None and sampling.logprobs:
             req.output_logprobs.append(last_logprob)

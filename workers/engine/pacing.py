@@ -96,13 +96,15 @@ class StepCostModel:
 
 
 class DecodePacer:
-    def __init__(self, target_tpot_s: float, block_size: int) -> None:
-        self.target = target_tpot_s
+    def __init__(self, target_tpot_s: float | None, block_size: int) -> None:
+        self.target = target_tpot_s  # a request's own tpot_slo_ms comes first; None: no target
         self.block_size = block_size
         self.model = StepCostModel()
-        # Without a step with prompt tokens for this long, one block runs whatever the slack.
-        self.max_hold_s = HORIZON_TOKENS * target_tpot_s
         self._last_prompt_step: float | None = None
+
+    def target_of(self, r: Request) -> float | None:
+        slo = r.tenancy.tpot_slo_ms
+        return slo / 1000 if slo else self.target
 
     def observe(self, decodes: int, prompt_tokens: int, seconds: float, now: float) -> None:
         self.model.observe(decodes, prompt_tokens, seconds)
@@ -116,7 +118,8 @@ class DecodePacer:
         step = self.model.decode_seconds(len(decoding))
         slack = math.inf
         for r in decoding:
-            if r.paced_since is None:
+            target = self.target_of(r)
+            if r.paced_since is None or target is None:
                 continue
             since, made = r.paced_since
             k = r.num_output_tokens - made
@@ -125,11 +128,11 @@ class DecodePacer:
                 1,
                 min(r.sampling.max_tokens - r.num_output_tokens, max_model_len - r.num_tokens),
             )
-            if elapsed + left * step > self.target * (k + left):
+            if elapsed + left * step > target * (k + left):
                 continue  # too far behind to get back under the target
             # On target after its next h tokens, the later ones at the decode-only pace.
             h = min(left, HORIZON_TOKENS)
-            slack = min(slack, self.target * (k + h) - elapsed - (h - 1) * step)
+            slack = min(slack, target * (k + h) - elapsed - (h - 1) * step)
         return slack
 
     def prompt_allowance(self, decoding: list[Request], now: float, max_model_len: int):
@@ -144,6 +147,10 @@ class DecodePacer:
         tokens = self.model.prompt_tokens_within(spare)
         tokens = tokens // self.block_size * self.block_size
         held = self._last_prompt_step is not None and now - self._last_prompt_step
-        if tokens == 0 and held and held > self.max_hold_s:
+        # Without a step with prompt tokens for HORIZON_TOKENS of the tightest target, one
+        # block runs whatever the slack: prompts always advance.
+        targets = [t for t in map(self.target_of, decoding) if t is not None]
+        max_hold_s = HORIZON_TOKENS * min(targets, default=math.inf)
+        if tokens == 0 and held and held > max_hold_s:
             return self.block_size
         return tokens

@@ -187,6 +187,25 @@ def choice_index(choice: str) -> int:
     return split_choice(choice)[1]
 
 
+@dataclass(frozen=True)
+class Tenancy:
+    """Whose a request is and what it was promised, as the router set them: the engine's
+    fair share orders by the tenant's tokens served for its weight within its tier, and
+    pacing keeps the request's own TPOT target."""
+
+    tenant: str = ""
+    weight: float = 1.0
+    tier: int = 1
+    predicted_tokens: float | None = None  # output tokens the router predicts
+    tpot_slo_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        assert self.weight > 0, "a tenant's weight is positive"
+
+
+NO_TENANCY = Tenancy()  # a request of no tenant in particular (offline, no keys)
+
+
 @dataclass
 class Request:
     request_id: str
@@ -221,6 +240,7 @@ class Request:
     index: int = 0
     # (clock, output tokens) when it made its first token on this engine: its pace since.
     paced_since: tuple[float, int] | None = None
+    tenancy: Tenancy = field(default_factory=Tenancy)
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a request needs at least one prompt token"

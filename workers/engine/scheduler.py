@@ -1,6 +1,8 @@
 """Iteration-level scheduling (Orca): every step picks work within a token budget.
 
 Each step:
+0. with every seat (`max_num_seqs`) taken, a waiting request that fair share owes a seat
+   takes that of the running request with the largest key (preempted: recompute);
 1. running requests, in policy order, get their next token (decode) or next prompt chunk;
    one that needs a block when none is free preempts the policy's last running request
    (recompute: its blocks are freed, and it later re-prefills its prompt and outputs so far);
@@ -44,18 +46,19 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.clock = clock
-        self.pacer = (
-            DecodePacer(config.target_tpot_ms / 1000, pool.block_size)
-            if config.target_tpot_ms
-            else None
-        )
+        # With chunked prefill, pacing keeps the engine's target_tpot_ms, and each request's
+        # own tpot_slo_ms (its tenancy); with neither, it limits nothing.
+        target = config.target_tpot_ms / 1000 if config.target_tpot_ms else None
+        self.pacer = DecodePacer(target, pool.block_size) if config.enable_chunked_prefill else None
         self._prompt_allowance: int | None = None  # this step's, under pacing; None: no limit
         self._decodes_due = 0  # this step's running decodes not yet served: their budget
         # Pacing: the last step scheduled and when, to time it by the next one's start.
         self._timing: tuple[SchedulerOutput, float] | None = None
         self.pool = pool
         self.kv = KVCacheManager(pool, watermark_blocks=int(config.watermark * pool.num_blocks))
-        self.policy = make_policy(config.policy)
+        self.policy = make_policy(
+            config.policy, config.fair_share, config.aging_per_s, config.max_wait_s
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -151,6 +154,7 @@ class Scheduler:
         req.num_computed_tokens = req.num_tokens - 1
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+        self.policy.admitted(req)
         self.kv.publish(req)
         req.paced_since = (self.clock(), req.num_output_tokens)
 
@@ -168,12 +172,20 @@ class Scheduler:
         self.waiting.sort(key=self.policy.key)
         decoding = [r for r in self.running if r.is_decoding]
         self._decodes_due = len(decoding)
+        self._prompt_allowance = None
         if self.pacer is not None:
             now = self.clock()
             self._observe_last_step(now)
             self._prompt_allowance = self.pacer.prompt_allowance(
                 decoding, now, self.config.max_model_len
             )
+        share = self.config.prefill_share
+        if decoding and share < 1:  # decode-first: prompts take at most this share
+            cap = int(share * self.config.max_num_batched_tokens)
+            allowed = self._prompt_allowance
+            self._prompt_allowance = cap if allowed is None else min(cap, allowed)
+        if admit and self.config.batching == "continuous":
+            self._free_seats()
         budget = self._schedule_running(out, budget, admit and self.policy.admits_ahead)
         for ghost in self.padding:
             if budget <= 0:
@@ -196,6 +208,27 @@ class Scheduler:
             self._timing = None
             prompt_tokens = sum(p.num_tokens for p in out.prefills)
             self.pacer.observe(len(out.decodes), prompt_tokens, now - started, now)
+
+    def _free_seats(self) -> None:
+        """Every seat taken and waiting requests owed one (fair share): the running request
+        the policy names gives its seat up, preempted before anything is scheduled this
+        step, and the waiting one is admitted in its place."""
+        seats = self.config.max_num_seqs
+        given: list[Request] = []  # waiting requests a seat was freed for, admitted first
+        asked: set[str] = set()  # the first waiting request of each tenant asks, in order
+        for first in list(self.waiting):
+            if len(self.running) + len(given) < seats:
+                break
+            if first.tenancy.tenant in asked:
+                continue
+            asked.add(first.tenancy.tenant)
+            victim = self.policy.seat_for(first, self.running, seats, given)
+            if victim is not None:
+                self._preempt(victim)
+                given.append(first)
+                asked.discard(first.tenancy.tenant)  # its next one may be owed a seat too
+        if given:
+            self.waiting = given + [r for r in self.waiting if r not in given]
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, ahead: bool) -> int:
         self.running.sort(key=self.policy.key)
@@ -254,6 +287,7 @@ class Scheduler:
             self.waiting.pop(i)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self.policy.admitted(req)
             budget -= n
             self._emit(out, req, n)
         return budget
@@ -335,6 +369,7 @@ class Scheduler:
             eos_token_ids=parent.eos_token_ids,
             priority=parent.priority,
             arrival_time=parent.arrival_time,
+            tenancy=parent.tenancy,
             seed=choice_seed(parent.seed, index),
             parent_id=parent.request_id,
             index=index,
@@ -409,6 +444,8 @@ class Scheduler:
         # token) is a prefill row: a row attends as prompt or as output by its position alone.
         decode = n == 1 and (padding or start >= len(req.prompt_token_ids))
         (out.decodes if decode else out.prefills).append(sched)
+        if not padding:
+            self.policy.served(req, n, decode)
         if n == 1 and not padding and req.is_decoding:
             self._decodes_due = max(0, self._decodes_due - 1)
         if n > 1 and self._prompt_allowance is not None:
@@ -423,6 +460,7 @@ class Scheduler:
         self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.waiting.append(req)
+        self.policy.preempted(req)
 
     def check_stop(self, req: Request, token: int) -> RequestStatus | None:
         """The status that `token` ends the request with, or None."""

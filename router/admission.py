@@ -1,0 +1,140 @@
+"""Admission control: what stands between a valid request and its generation slots.
+
+    the tenant's quota (refused past it, with when to retry) -> its output length predicted,
+    its SLOs settled (its own, else its tier's) -> a Ticket in the FairQueue (router/fair.py)
+    -> slots -> its tokens counted against the tenant's share and quota as they stream ->
+    at its end, the predictor learns the length it had
+
+`AdmissionControl` owns the tenants (router/tenants.py), the predictor (router/predictor.py)
+and the slots. The Router calls it for each request; the Admin call `Tenants` and `tandem
+status` read it. Used from the router's event loop alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from router.config import RouterConfig
+from router.errors import RouterError
+from router.fair import FairQueue, Ticket
+from router.metrics import RouterMetrics
+from router.predictor import LengthPredictor
+from router.stream import Chunk
+from router.tenants import DEFAULT, Tenant, TenantTable
+from router.validation import Admission
+from workers.engine.request import Tenancy
+from workers.messages import RequestSpec, Status
+
+
+@dataclass(frozen=True)
+class TenantState:
+    """A tenant's policy and what it holds on this router, for `tandem status`."""
+
+    policy: Tenant
+    running: int  # sequences holding slots
+    waiting: int  # requests waiting for slots
+    served: float  # fair share's count: tokens served / weight
+    quota_left: float | None  # tokens its quota admits now; None: no quota
+
+
+class AdmissionControl:
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+        self.tenants = TenantTable(config.tenants)
+        self.predictor = LengthPredictor()
+        self.slots = FairQueue(config.max_in_flight, self.tenants)  # n choices take n
+        self.configure(config)
+
+    def configure(self, c: RouterConfig) -> None:
+        """The admission order from the next slot freed on (the tenants change through
+        `tenants.update`; max_in_flight is fixed at start)."""
+        q = self.slots
+        q.policy, q.fair_share = c.admission_policy, c.admission_fair_share
+        q.aging_per_s, q.max_wait_s = c.admission_aging_per_s, c.admission_max_wait_s
+
+    def ticket(self, adm: Admission) -> tuple[Ticket, RequestSpec]:
+        """The request's place in the queue, and its spec with its tenancy: its tenant's
+        weight and tier, its predicted output, its TPOT target. Refuses it if its tenant's
+        quota is spent (RESOURCE_EXHAUSTED, with when to retry), or if it could never get
+        its slots (INVALID_ARGUMENT)."""
+        tenant = adm.tenant or DEFAULT
+        pol = self.tenants.policy(tenant)
+        spec, prompt = adm.spec, len(adm.prompt_ids)
+        ttft_ms, tpot_ms = self.tenants.config.slo_ms(pol.tier)
+        ttft_ms = adm.ttft_slo_ms or ttft_ms
+        tpot_ms = adm.tpot_slo_ms or tpot_ms
+        if adm.reject_if_late and ttft_ms is None:
+            raise RouterError(
+                Status.INVALID_ARGUMENT,
+                f"reject_if_late: give ttft_slo_ms (tier {pol.tier} has no default)",
+            )
+        wait_s = self.tenants.quota_wait_s(tenant, prompt)
+        if wait_s > 0:
+            self.metrics.refused(self.metrics.tenant_tags(tenant, pol.tier), "quota")
+            raise RouterError(
+                Status.RESOURCE_EXHAUSTED,
+                f"tenant {tenant} has used its {pol.tokens_per_minute:.0f} tokens a minute "
+                f"(tenants.tokens_per_minute); retry in {wait_s:.1f} s",
+                final=False,
+                retry_after_s=wait_s,
+            )
+        max_tokens = spec.sampling.max_tokens
+        predicted = self.predictor.predict(tenant, prompt, max_tokens)
+        deadline = self.slots.clock() + ttft_ms / 1000 if ttft_ms else None
+        ticket = Ticket(
+            tenant,
+            spec.choices,
+            prompt,
+            adm.priority,
+            predicted,
+            deadline,
+            adm.reject_if_late,
+            max_tokens=max_tokens,
+        )
+        self.slots.check(ticket)
+        tenancy = Tenancy(tenant, pol.weight, pol.tier, predicted, tpot_ms)
+        return ticket, replace(spec, tenancy=tenancy)
+
+    async def acquire(self, ticket: Ticket) -> None:
+        """Wait for the ticket's slots; its prompt then counts against its tenant's quota."""
+        await self.slots.acquire(ticket)
+        self.tenants.charge(ticket.tenant, ticket.prompt_tokens)
+
+    def release(self, ticket: Ticket) -> None:
+        self.slots.release(ticket)
+
+    def served(self, ticket: Ticket, made: list[int], chunk: Chunk) -> None:
+        """Count a chunk's tokens against its tenant's share and quota (`made`: output tokens
+        of each choice so far); at a choice's end, teach the predictor its length."""
+        k = len(chunk.token_ids)
+        if k:
+            if not any(made):
+                self.slots.first_token(ticket)
+            made[chunk.index] += k
+            self.slots.served(ticket.tenant, k)
+            self.tenants.charge(ticket.tenant, k)
+        if chunk.finished and chunk.status is Status.OK:
+            p = self.predictor
+            p.observe(ticket.tenant, ticket.prompt_tokens, ticket.max_tokens,
+                      ticket.predicted_tokens, made[chunk.index])  # fmt: skip
+            self.metrics.length_error.set(p.mean_abs_error or 0.0, self.metrics.tags)
+
+    def tenancy(self, tenant: str) -> Tenancy:
+        """A tenant's tenancy with no prediction or target (a request adopted from its
+        record, which keeps neither)."""
+        pol = self.tenants.policy(tenant or DEFAULT)
+        return Tenancy(pol.name, pol.weight, pol.tier)
+
+    def states(self) -> list[TenantState]:
+        """Each named tenant's policy and holdings, and every other tenant active now."""
+        q = self.slots
+        return [
+            TenantState(
+                self.tenants.policy(name),
+                running=q.running.get(name, 0),
+                waiting=q.waiting(name),
+                served=q.counters.get(name, 0.0),
+                quota_left=self.tenants.quota_left(name),
+            )
+            for name in sorted(set(self.tenants.names()) | q.active())
+        ]

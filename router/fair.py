@@ -1,0 +1,268 @@
+"""Who gets the router's next generation slot: `max_in_flight` sequences at once, a request of
+n choices taking n, handed out in an order made of, from the first that differs:
+
+1. a request that has waited its tenant's `max_wait_s` (or the router's) goes first of all,
+   in arrival order: nobody waits for ever, whatever the policy;
+2. the tenant's `tier`, lower first;
+3. with fair share, the tenant's virtual token count: tokens served to it (prompt tokens
+   counted once at admission, output tokens as they stream, an output token weighing
+   `OUTPUT_COST` prompt tokens) divided by its `weight`. A tenant that starts waiting again
+   is lifted to the least count of the tenants active now, so a quiet spell banks nothing
+   (VTC, Sheng et al., OSDI 2024). The tenant served least for its weight goes first;
+4. the policy (`admission_policy`): `fcfs`; `priority` (the request's, lower first, minus
+   `aging_per_s` for each second waited); `sjf` (the predicted cost: prompt tokens plus n
+   times the predicted output, weighted as above); `slack` (time left to the TTFT deadline
+   less the predicted time to a first token; requests with no deadline after those with one);
+5. arrival.
+
+The best request waits for room rather than let later ones pass it, so a request of many
+choices is not passed over for ever; a tenant at its `max_concurrency` is skipped, its
+requests waiting for its own to end. Used from the router's event loop alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from router.config import ADMISSION_POLICIES
+from router.errors import RouterError
+from router.predictor import LinearFit
+from router.tenants import Tenant, TenantTable
+from workers.engine.policy import OUTPUT_COST
+from workers.messages import Status
+
+PROMPT_COST = 1.0  # and an output token OUTPUT_COST: a decode step's token costs more
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request waiting for, or holding, its slots."""
+
+    tenant: str
+    n: int = 1  # choices: slots it takes
+    prompt_tokens: int = 0
+    priority: int = 0
+    predicted_tokens: float = 0.0  # output tokens predicted, per choice
+    ttft_deadline: float | None = None  # on the queue's clock: when its first token is due
+    reject_if_late: bool = False  # refuse it, waiting or not, once the deadline cannot be met
+    max_tokens: int = 16
+    arrival: float = 0.0
+    granted_at: float | None = None
+    seq: int = 0
+    _fut: asyncio.Future | None = field(default=None, repr=False)
+    _late: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+    @property
+    def cost(self) -> float:
+        return PROMPT_COST * self.prompt_tokens + OUTPUT_COST * self.n * self.predicted_tokens
+
+
+class FairQueue:
+    def __init__(
+        self,
+        total: int,
+        tenants: TenantTable,
+        policy: str = "fcfs",
+        fair_share: bool = True,
+        aging_per_s: float = 0.0,
+        max_wait_s: float | None = None,
+        clock=time.monotonic,
+    ) -> None:
+        if policy not in ADMISSION_POLICIES:
+            raise ValueError(f"admission policy {policy!r}: choose {', '.join(ADMISSION_POLICIES)}")
+        self.total = self.free = total
+        self.tenants = tenants
+        self.policy, self.fair_share = policy, fair_share
+        self.aging_per_s, self.max_wait_s = aging_per_s, max_wait_s
+        self.clock = clock
+        self.counters: dict[str, float] = {}  # virtual tokens: served / weight
+        self.running: Counter[str] = Counter()  # slots held, by tenant
+        self._waiting: list[Ticket] = []
+        self._seq = itertools.count()
+        self.first_token_s = LinearFit(prior=0.5)  # slot to first token, by prompt tokens
+        self.hold_s = LinearFit(prior=5.0)  # a slot's holding time, by predicted output
+
+    # -- slots ------------------------------------------------------------------------------
+    def check(self, t: Ticket) -> None:
+        """Raise RouterError (INVALID_ARGUMENT) if t could never get its slots here."""
+        pol = self.tenants.policy(t.tenant)
+        if t.n > self.total:
+            raise RouterError(
+                Status.INVALID_ARGUMENT,
+                f"sampling.n={t.n}: each choice takes a slot, and this router has "
+                f"{self.total} (router.max_in_flight)",
+            )
+        if pol.max_concurrency and t.n > pol.max_concurrency:
+            raise RouterError(
+                Status.INVALID_ARGUMENT,
+                f"sampling.n={t.n}: tenant {t.tenant} may run {pol.max_concurrency} sequences "
+                "at once (tenants.max_concurrency)",
+            )
+
+    async def acquire(self, t: Ticket) -> None:
+        """Wait for t's slots, in the order above. Raises RouterError when t can never run
+        here, or (with reject_if_late) once its deadline cannot be met."""
+        self.check(t)
+        pol = self.tenants.policy(t.tenant)
+        t.arrival, t.seq = self.clock(), next(self._seq)
+        if t.reject_if_late:
+            self._refuse_if_late(t, self.start_estimate(t))
+        self._lift(t.tenant)
+        if not self._waiting and self._fits(t, pol):
+            self._grant(t)
+            return
+        t._fut = asyncio.get_running_loop().create_future()
+        self._waiting.append(t)
+        if t.reject_if_late and t.ttft_deadline is not None:
+            latest = t.ttft_deadline - self.first_token_s(t.prompt_tokens) - self.clock()
+            t._late = asyncio.get_running_loop().call_later(max(0.0, latest), self._late, t)
+        self._wake()
+        try:
+            await t._fut
+        except asyncio.CancelledError:
+            if t._fut.done() and not t._fut.cancelled():  # given, then cancelled: give back
+                self.release(t)
+            else:
+                self._leave(t)
+                self._wake()  # a large waiter leaving may let smaller ones behind it in
+            raise
+
+    def release(self, t: Ticket) -> None:
+        if t.granted_at is None:
+            return
+        self.free += t.n
+        self.running[t.tenant] -= t.n
+        if self.running[t.tenant] <= 0:
+            del self.running[t.tenant]
+        self.hold_s.add(t.predicted_tokens, self.clock() - t.granted_at)
+        t.granted_at = None
+        self._wake()
+
+    def served(self, tenant: str, output_tokens: int) -> None:
+        """Output tokens streamed to a tenant: they count against its share."""
+        self._charge(tenant, OUTPUT_COST * output_tokens)
+
+    def first_token(self, t: Ticket) -> None:
+        """t's first token arrived: learn how long a prompt of its length takes."""
+        if t.granted_at is not None:
+            self.first_token_s.add(t.prompt_tokens, self.clock() - t.granted_at)
+
+    # -- what it would do -------------------------------------------------------------------
+    def start_estimate(self, t: Ticket) -> float:
+        """Seconds before t would get its slots: those asked by requests ordered ahead of it,
+        beyond the free ones, freed at the rate slots have been freed."""
+        now = self.clock()
+        mine = self._key(t, now, self.tenants.policy(t.tenant))
+        ahead = sum(w.n for w in self._waiting if self._key(w, now, self._policy(w)) < mine)
+        need = ahead + t.n - self.free
+        return 0.0 if need <= 0 else need * self.hold_s(t.predicted_tokens) / self.total
+
+    @property
+    def depth(self) -> int:
+        return len(self._waiting)
+
+    def waiting(self, tenant: str) -> int:
+        return sum(1 for t in self._waiting if t.tenant == tenant)
+
+    def active(self) -> set[str]:
+        """Tenants holding or waiting for slots now."""
+        return set(self.running) | {t.tenant for t in self._waiting}
+
+    # -- internals --------------------------------------------------------------------------
+    def _policy(self, t: Ticket) -> Tenant:
+        return self.tenants.policy(t.tenant)
+
+    def _key(self, t: Ticket, now: float, pol: Tenant) -> tuple:
+        cap = pol.max_wait_s if pol.max_wait_s is not None else self.max_wait_s
+        waited = now - t.arrival
+        if cap is not None and waited >= cap:
+            return (0, t.arrival, t.seq)
+        share = self.counters.get(t.tenant, 0.0) if self.fair_share else 0.0
+        if self.policy == "priority":
+            k = t.priority - self.aging_per_s * waited
+        elif self.policy == "sjf":
+            k = t.cost
+        elif self.policy == "slack":
+            k = (
+                t.ttft_deadline - now - self.first_token_s(t.prompt_tokens)
+                if t.ttft_deadline is not None
+                else math.inf
+            )
+        else:
+            k = 0.0
+        return (1, pol.tier, share, k, t.arrival, t.seq)
+
+    def _fits(self, t: Ticket, pol: Tenant) -> bool:
+        return t.n <= self.free and self._under_cap(t, pol)
+
+    def _under_cap(self, t: Ticket, pol: Tenant) -> bool:
+        return not pol.max_concurrency or self.running[t.tenant] + t.n <= pol.max_concurrency
+
+    def _wake(self) -> None:
+        while self._waiting:
+            now = self.clock()
+            policies = {w.tenant: self._policy(w) for w in self._waiting}
+            open_ = [w for w in self._waiting if self._under_cap(w, policies[w.tenant])]
+            if not open_:
+                return
+            best = min(open_, key=lambda w: self._key(w, now, policies[w.tenant]))
+            if best.n > self.free:
+                return  # room is kept for it
+            self._leave(best)
+            self._grant(best)
+            best._fut.set_result(None)
+
+    def _grant(self, t: Ticket) -> None:
+        self.free -= t.n
+        self.running[t.tenant] += t.n
+        t.granted_at = self.clock()
+        self._charge(t.tenant, PROMPT_COST * t.prompt_tokens)
+
+    def _leave(self, t: Ticket) -> None:
+        if t in self._waiting:
+            self._waiting.remove(t)
+        if t._late is not None:
+            t._late.cancel()
+
+    def _lift(self, tenant: str) -> None:
+        """A tenant that starts waiting again starts at the least count of the active ones."""
+        if self.running[tenant] or any(w.tenant == tenant for w in self._waiting):
+            return
+        active = {w.tenant for w in self._waiting} | {k for k, v in self.running.items() if v}
+        floor = min((self.counters.get(a, 0.0) for a in active), default=None)
+        if floor is not None:
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+
+    def _charge(self, tenant: str, cost: float) -> None:
+        weight = self.tenants.policy(tenant).weight
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + cost / weight
+
+    def _refuse_if_late(self, t: Ticket, wait_s: float) -> None:
+        if t.ttft_deadline is None:
+            return
+        due = self.clock() + wait_s + self.first_token_s(t.prompt_tokens)
+        if due > t.ttft_deadline:
+            raise RouterError(
+                Status.RESOURCE_EXHAUSTED,
+                f"its first token is predicted in {1e3 * (due - t.arrival):.0f} ms, past its "
+                f"ttft_slo_ms of {1e3 * (t.ttft_deadline - t.arrival):.0f} (reject_if_late)",
+            )
+
+    def _late(self, t: Ticket) -> None:
+        if t._fut is None or t._fut.done() or t not in self._waiting:
+            return
+        self._leave(t)
+        try:
+            self._refuse_if_late(t, 0.0)
+        except RouterError as e:
+            t._fut.set_exception(e)
+        else:  # the fit moved: look again at the new latest start
+            latest = t.ttft_deadline - self.first_token_s(t.prompt_tokens) - self.clock()
+            self._waiting.append(t)
+            t._late = asyncio.get_running_loop().call_later(max(0.01, latest), self._late, t)
+        self._wake()

@@ -1,0 +1,206 @@
+"""Tenants: what each may take of the cluster, and what it has taken.
+
+A request's tenant comes from its API key (router/keys.py), never from the request. Each
+tenant has a policy (`Tenant`):
+
+- `weight`: its share of the cluster while several tenants wait (fair share, router/fair.py);
+- `max_concurrency`: sequences it may run at once (0: no cap); past it, its requests queue;
+- `tokens_per_minute`: its rate quota, prompt and output tokens counted (0: none); past it,
+  RESOURCE_EXHAUSTED with the time to retry;
+- `tier`: its priority class, lower first: a tier is served before any higher one;
+- `max_wait_s`: the longest any of its requests waits for a slot before it goes ahead of
+  every request that has not waited that long (None: `router.admission_max_wait_s`).
+
+`TenantsConfig` is the config tree's form: one mapping per field, tenant name to value, the
+entry `default` standing for every tenant not named (so every field is also a flag:
+`--tenants-weight default=1,gold=4`). `TenantTable` is the running form, changed at run time by
+the Admin call `Tenants` (`tandem tenants`). Used from the router's event loop alone.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field, fields, replace
+
+DEFAULT = "default"
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+# The SLO defaults are per tier: their mappings are keyed by the tier's number.
+TIER_FIELDS = ("tier_ttft_slo_ms", "tier_tpot_slo_ms")
+
+
+def _h(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    weight: float = 1.0
+    max_concurrency: int = 0
+    tokens_per_minute: float = 0.0
+    tier: int = 1
+    max_wait_s: float | None = None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"tenant {self.name!r}: {name}={getattr(self, name)!r}: {why}")
+
+        if not _NAME.match(self.name):
+            raise ValueError(f"tenant {self.name!r}: use 1-64 letters, digits and . _ -")
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise bad("weight", "must be a positive number")
+        if self.max_concurrency < 0:
+            raise bad("max_concurrency", "must be >= 0 (0: no cap)")
+        if not (math.isfinite(self.tokens_per_minute) and self.tokens_per_minute >= 0):
+            raise bad("tokens_per_minute", "must be >= 0 (0: no quota)")
+        if not 0 <= self.tier <= 9:
+            raise bad("tier", "must be 0 (first) to 9")
+        if self.max_wait_s is not None and not self.max_wait_s > 0:
+            raise bad("max_wait_s", "must be positive (or unset)")
+
+
+POLICY_FIELDS = tuple(f.name for f in fields(Tenant) if f.name != "name")
+
+
+@dataclass(frozen=True)
+class TenantsConfig:
+    weight: dict = field(
+        default_factory=dict, metadata=_h("tenant=weight: share while tenants wait (default 1)")
+    )
+    max_concurrency: dict = field(
+        default_factory=dict,
+        metadata=_h("tenant=N: sequences it may run at once; past it, it queues (0: no cap)"),
+    )
+    tokens_per_minute: dict = field(
+        default_factory=dict,
+        metadata=_h("tenant=N: prompt and output tokens a minute; past it, 429 (0: no quota)"),
+    )
+    tier: dict = field(
+        default_factory=dict, metadata=_h("tenant=T: priority class, 0 served first (default 1)")
+    )
+    max_wait_s: dict = field(
+        default_factory=dict,
+        metadata=_h("tenant=S: longest wait for a slot before going first"),
+    )
+    tier_ttft_slo_ms: dict = field(
+        default_factory=dict, metadata=_h("tier=MS: default ttft_slo_ms of a tier's requests")
+    )
+    tier_tpot_slo_ms: dict = field(
+        default_factory=dict, metadata=_h("tier=MS: default tpot_slo_ms of a tier's requests")
+    )
+
+    def __post_init__(self) -> None:
+        for name in POLICY_FIELDS:
+            for tenant in getattr(self, name):
+                self.policy(tenant)  # each named tenant must make a valid policy
+        for name in TIER_FIELDS:
+            for tier, ms in getattr(self, name).items():
+                if not (str(tier).isdigit() and 0 <= int(tier) <= 9):
+                    raise ValueError(f"{name}: {tier!r} is not a tier (0 to 9)")
+                if not ms > 0:
+                    raise ValueError(f"{name}: tier {tier}: {ms!r} must be a positive ms")
+
+    def names(self) -> set[str]:
+        return {t for name in POLICY_FIELDS for t in getattr(self, name)} - {DEFAULT}
+
+    def policy(self, tenant: str) -> Tenant:
+        """The tenant's policy: its own entries, else the `default` entries, else the
+        built-in defaults."""
+        values = {}
+        for name in POLICY_FIELDS:
+            table = getattr(self, name)
+            value = table.get(tenant, table.get(DEFAULT))
+            if value is not None:
+                values[name] = int(value) if name in ("max_concurrency", "tier") else value
+        return Tenant(tenant, **values)
+
+    def slo_ms(self, tier: int) -> tuple[float | None, float | None]:
+        """A tier's default (ttft_slo_ms, tpot_slo_ms)."""
+        return (self.tier_ttft_slo_ms.get(str(tier)), self.tier_tpot_slo_ms.get(str(tier)))
+
+
+class TokenBucket:
+    """A rate quota: `per_minute` tokens a minute, bursting to a minute's worth. Taking more
+    than is left is allowed (output tokens are counted as they come), leaving a debt that
+    refills first."""
+
+    def __init__(self, per_minute: float, clock=time.monotonic) -> None:
+        self.per_minute = per_minute
+        self.clock = clock
+        self.level = per_minute
+        self._at = clock()
+
+    def _refill(self) -> None:
+        now = self.clock()
+        self.level = min(self.per_minute, self.level + (now - self._at) * self.per_minute / 60)
+        self._at = now
+
+    def wait_s(self, tokens: int) -> float:
+        """Seconds until `tokens` may be taken (0: now). Asking more than a minute's worth
+        waits for a full bucket."""
+        self._refill()
+        need = min(tokens, self.per_minute)
+        return 0.0 if self.level >= need else (need - self.level) * 60 / self.per_minute
+
+    def take(self, tokens: int) -> None:
+        self._refill()
+        self.level -= tokens
+
+
+class TenantTable:
+    """The tenants' running policies and rate quotas."""
+
+    def __init__(self, config: TenantsConfig | None = None, clock=time.monotonic) -> None:
+        self.config = config or TenantsConfig()
+        self.clock = clock
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def policy(self, tenant: str) -> Tenant:
+        return self.config.policy(tenant)
+
+    def names(self) -> list[str]:
+        return sorted(self.config.names())
+
+    def update(self, tenant: str, **changes) -> Tenant:
+        """Change a tenant's policy (or, for `default`, every unnamed tenant's) from now on."""
+        unknown = set(changes) - set(POLICY_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown tenant field(s): {', '.join(sorted(unknown))}")
+        tables = {}
+        for name, value in changes.items():
+            table = dict(getattr(self.config, name))
+            if value is None:
+                table.pop(tenant, None)
+            else:
+                table[tenant] = value
+            tables[name] = table
+        self.config = replace(self.config, **tables)  # validates, or raises naming the field
+        return self.policy(tenant)
+
+    def quota_wait_s(self, tenant: str, tokens: int) -> float:
+        """Seconds before the tenant's quota admits `tokens` more (0: now, or no quota)."""
+        bucket = self._bucket(tenant)
+        return 0.0 if bucket is None else bucket.wait_s(tokens)
+
+    def charge(self, tenant: str, tokens: int) -> None:
+        bucket = self._bucket(tenant)
+        if bucket is not None:
+            bucket.take(tokens)
+
+    def quota_left(self, tenant: str) -> float | None:
+        bucket = self._bucket(tenant)
+        if bucket is None:
+            return None
+        bucket.wait_s(0)  # refills
+        return bucket.level
+
+    def _bucket(self, tenant: str) -> TokenBucket | None:
+        per_minute = self.policy(tenant).tokens_per_minute
+        if not per_minute:
+            return None
+        bucket = self._buckets.get(tenant)
+        if bucket is None or bucket.per_minute != per_minute:
+            bucket = self._buckets[tenant] = TokenBucket(per_minute, self.clock)
+        return bucket

@@ -1,0 +1,256 @@
+"""The router's admission order (router/fair.py) on scripted arrivals, with a clock of the
+test's own: slots kept for a wide request, fair share by tokens and weight, tiers, caps,
+aging and max wait, SJF by prediction, slack and reject_if_late; and tenants' quotas."""
+
+import asyncio
+
+import pytest
+
+from router.errors import RouterError
+from router.fair import FairQueue, Ticket
+from router.tenants import TenantsConfig, TenantTable, TokenBucket
+from workers.messages import Status
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def queue(total=1, tenants=None, clock=None, **kw):
+    return FairQueue(total, TenantTable(tenants or TenantsConfig()), clock=clock or Clock(), **kw)
+
+
+async def served_order(q, tickets, tokens_each=0):
+    """Queue every ticket behind one that holds all the slots, then free them one request
+    at a time (each served `tokens_each` output tokens): the order they got their slots."""
+    holder = Ticket("holder", q.total)
+    await q.acquire(holder)
+    order, tasks = [], []
+
+    async def want(t):
+        await q.acquire(t)
+        order.append(t)
+
+    for t in tickets:
+        tasks.append(asyncio.create_task(want(t)))
+        await asyncio.sleep(0)
+    q.release(holder)
+    for _ in tickets:
+        await asyncio.sleep(0)
+        done = order[-1]
+        q.served(done.tenant, tokens_each)
+        q.release(done)
+    await asyncio.gather(*tasks)
+    return order
+
+
+def names(order):
+    return [f"{t.tenant}{t.priority}" for t in order]
+
+
+def test_a_wide_request_keeps_its_place_and_narrow_ones_wait_behind_it():
+    async def go():
+        q = queue(4)
+        first = Ticket("a", 3)
+        await q.acquire(first)
+        wide, narrow = Ticket("a", 4), Ticket("a", 1)
+        tw = asyncio.create_task(q.acquire(wide))
+        await asyncio.sleep(0)
+        tn = asyncio.create_task(q.acquire(narrow))
+        await asyncio.sleep(0)
+        assert q.free == 1 and not tw.done() and not tn.done()  # 1 free, kept for wide
+        q.release(first)
+        await tw
+        q.release(wide)
+        await tn
+        return q.free
+
+    assert asyncio.run(go()) == 3
+
+
+def test_a_waiter_that_goes_away_takes_nothing_and_one_given_slots_gives_them_back():
+    async def go():
+        q = queue(2)
+        held = Ticket("a", 2)
+        await q.acquire(held)
+        wide, narrow = Ticket("a", 2), Ticket("a", 1)
+        tw = asyncio.create_task(q.acquire(wide))
+        await asyncio.sleep(0)
+        tn = asyncio.create_task(q.acquire(narrow))
+        await asyncio.sleep(0)
+        tw.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await tw
+        q.release(held)  # narrow gets one...
+        tn.cancel()  # ...and is cancelled before it runs: it gives it back
+        with pytest.raises(asyncio.CancelledError):
+            await tn
+        return q.free, q.depth
+
+    assert asyncio.run(go()) == (2, 0)
+
+
+def test_more_choices_than_slots_or_than_the_tenants_cap_are_refused():
+    tenants = TenantsConfig(max_concurrency={"capped": 2})
+    for t, why in ((Ticket("a", 5), "router.max_in_flight"), (Ticket("capped", 3), "max_concurr")):
+        with pytest.raises(RouterError, match=why) as e:
+            asyncio.run(queue(4, tenants).acquire(t))
+        assert e.value.status is Status.INVALID_ARGUMENT
+
+
+def test_fair_share_alternates_where_fcfs_serves_the_flood_first():
+    # a floods first, then b arrives: FCFS serves all of a; fair share takes turns.
+    def tickets():
+        return [Ticket("a", priority=i) for i in range(3)] + [
+            Ticket("b", priority=i) for i in range(3)
+        ]
+
+    fair = asyncio.run(served_order(queue(fair_share=True), tickets(), tokens_each=10))
+    fcfs = asyncio.run(served_order(queue(fair_share=False), tickets(), tokens_each=10))
+    assert names(fcfs) == ["a0", "a1", "a2", "b0", "b1", "b2"]
+    assert names(fair) == ["a0", "b0", "a1", "b1", "a2", "b2"]
+
+
+def test_weights_give_slots_in_their_ratio():
+    tenants = TenantsConfig(weight={"a": 2})
+    tickets = [Ticket(t, priority=i) for i in range(4) for t in ("a", "b")]
+    order = asyncio.run(served_order(queue(tenants=tenants), tickets, tokens_each=10))
+    assert [t.tenant for t in order[:6]].count("a") == 4  # 2:1 while both wait
+
+
+def test_a_tenant_back_from_idle_has_banked_nothing():
+    async def go():
+        q = queue(1)
+        q.counters.update({"a": 1000.0, "b": 0.0})  # b was quiet while a was served
+        await q.acquire(a := Ticket("a"))
+        b = Ticket("b")
+        task = asyncio.create_task(q.acquire(b))
+        await asyncio.sleep(0)
+        q.release(a)
+        await task
+        return q.counters["b"]
+
+    assert asyncio.run(go()) == 1000.0  # lifted to a's count, not 1000 tokens ahead
+
+
+def test_a_lower_tier_goes_first_and_a_capped_tenant_waits_while_others_pass():
+    tenants = TenantsConfig(tier={"gold": 0}, max_concurrency={"capped": 1})
+    order = asyncio.run(
+        served_order(queue(tenants=tenants), [Ticket("x"), Ticket("gold"), Ticket("x", priority=1)])
+    )
+    assert names(order) == ["gold0", "x0", "x1"]
+
+    async def capped():
+        q = queue(3, tenants)
+        await q.acquire(Ticket("capped"))
+        second = asyncio.create_task(q.acquire(Ticket("capped")))
+        await asyncio.sleep(0)
+        other = Ticket("x")
+        await q.acquire(other)  # slots are free, and capped's wait does not hold x
+        return second.done(), q.free
+
+    assert asyncio.run(capped()) == (False, 1)
+
+
+def test_aging_and_max_wait_bring_an_old_request_to_the_head():
+    async def go(**kw):
+        clock = Clock()
+        q = queue(clock=clock, policy="priority", **kw)
+        holder = Ticket("h")
+        await q.acquire(holder)
+        old = Ticket("a", priority=5)
+        t_old = asyncio.create_task(q.acquire(old))
+        await asyncio.sleep(0)
+        clock.now = 10.0
+        new = Ticket("b", priority=0)
+        t_new = asyncio.create_task(q.acquire(new))
+        await asyncio.sleep(0)
+        q.release(holder)
+        await asyncio.sleep(0)
+        first = "old" if t_old.done() else "new"
+        for t in (t_old, t_new):
+            t.cancel()
+        await asyncio.gather(t_old, t_new, return_exceptions=True)
+        return first
+
+    assert asyncio.run(go(fair_share=False)) == "new"  # priority alone: 0 before 5
+    assert asyncio.run(go(fair_share=False, aging_per_s=1.0)) == "old"  # 5 - 10 s < 0
+    assert asyncio.run(go(max_wait_s=5.0)) == "old"  # waited past max_wait_s
+
+
+def test_sjf_orders_by_predicted_cost():
+    tickets = [
+        Ticket("a", prompt_tokens=10, predicted_tokens=500, priority=0),
+        Ticket("a", prompt_tokens=400, predicted_tokens=10, priority=1),
+        Ticket("a", prompt_tokens=10, predicted_tokens=20, priority=2),
+    ]
+    order = asyncio.run(served_order(queue(policy="sjf"), tickets))
+    assert names(order) == ["a2", "a1", "a0"]
+
+
+def test_slack_orders_by_deadline_and_reject_if_late_refuses_what_cannot_make_it():
+    clock = Clock()
+    tickets = [
+        Ticket("a", ttft_deadline=None, priority=0),
+        Ticket("a", ttft_deadline=9.0, priority=1),
+        Ticket("a", ttft_deadline=2.0, priority=2),
+    ]
+    order = asyncio.run(served_order(queue(clock=clock, policy="slack"), tickets))
+    assert names(order) == ["a2", "a1", "a0"]
+
+    async def late():
+        q = queue(clock=clock, policy="slack")
+        q.first_token_s.add(100, 0.5)  # a first token takes about 0.5 s
+        holder = Ticket("h", predicted_tokens=10)
+        await q.acquire(holder)
+        # Slots have been held 5 s each: one deadline 1 s away cannot be met.
+        q.hold_s.add(10, 5.0)
+        with pytest.raises(RouterError) as e:
+            await q.acquire(Ticket("a", prompt_tokens=100, ttft_deadline=1.0, reject_if_late=True))
+        assert e.value.status is Status.RESOURCE_EXHAUSTED and "reject_if_late" in str(e.value)
+        # One that could make it waits; past its latest start, it is refused while waiting.
+        t = Ticket("a", prompt_tokens=100, ttft_deadline=0.6, reject_if_late=True)
+        q.hold_s = type(q.hold_s)(prior=0.0)
+        task = asyncio.create_task(q.acquire(t))
+        await asyncio.sleep(0.3)
+        clock.now = 0.2
+        with pytest.raises(RouterError, match="reject_if_late"):
+            await task
+        return q.depth
+
+    assert asyncio.run(late()) == 0
+
+
+def test_a_quota_refills_at_its_rate_and_says_when_to_retry():
+    clock = Clock()
+    bucket = TokenBucket(600, clock)  # 10 tokens a second
+    assert bucket.wait_s(600) == 0
+    bucket.take(700)  # output counted past the level: a debt
+    assert bucket.wait_s(100) == pytest.approx(20.0)
+    clock.now = 5.0
+    assert bucket.wait_s(100) == pytest.approx(15.0)
+    assert bucket.wait_s(10_000) == pytest.approx(65.0)  # more than a minute's: a full bucket
+    table = TenantTable(TenantsConfig(tokens_per_minute={"default": 60, "free": 0}), clock)
+    table.charge("someone", 60)
+    assert table.quota_wait_s("someone", 30) == pytest.approx(30.0)
+    assert table.quota_wait_s("free", 10**9) == 0  # 0: no quota
+
+
+def test_tenants_config_names_the_bad_field_and_changes_at_run_time():
+    with pytest.raises(ValueError, match="weight"):
+        TenantsConfig(weight={"a": 0})
+    with pytest.raises(ValueError, match="tier_ttft_slo_ms"):
+        TenantsConfig(tier_ttft_slo_ms={"x": 5})
+    table = TenantTable(TenantsConfig(weight={"default": 2}))
+    assert table.policy("anyone").weight == 2
+    table.update("gold", tier=0, weight=4)
+    assert (table.policy("gold").tier, table.policy("gold").weight) == (0, 4)
+    table.update("gold", weight=None)  # back to the default entry
+    assert table.policy("gold").weight == 2
+    with pytest.raises(ValueError, match="max_concurrency"):
+        table.update("gold", max_concurrency=-1)
+    assert table.names() == ["gold"]

@@ -1,0 +1,134 @@
+"""The engine's fair share (workers/engine/policy.py): the tenant served least for its weight
+is admitted first and preempted last; tiers come first; an old request goes ahead under
+max_wait_s; decode-first limits prompt chunks beside decodes."""
+
+from tests.unit.sched_helpers import make_request, make_scheduler, run_step
+from workers.engine.request import Tenancy
+
+A, B = Tenancy("a"), Tenancy("b")
+
+
+def first_scheduled(s, steps=200):
+    order = []
+    for _ in range(steps):
+        if not s.has_unfinished():
+            break
+        out, _ = run_step(s)
+        for r in out.scheduled:
+            if r.request_id not in order:
+                order.append(r.request_id)
+    return order
+
+
+def add(s, rid, tenancy, prompt=6, max_tokens=4, **kw):
+    s.add_request(make_request(rid, prompt, max_tokens, tenancy=tenancy, **kw))
+
+
+def test_a_tenant_served_more_waits_behind_one_served_less():
+    for fair, want in ((True, ["a1", "b1", "a2", "a3"]), (False, ["a1", "a2", "a3", "b1"])):
+        s = make_scheduler(max_num_seqs=1, fair_share=fair)
+        for rid in ("a1", "a2", "a3"):
+            add(s, rid, A)
+        add(s, "b1", B)
+        assert first_scheduled(s) == want, fair
+
+
+def test_weights_share_the_seats_in_their_ratio():
+    s = make_scheduler(max_num_seqs=1)
+    heavy = Tenancy("h", weight=2.0)
+    for i in range(6):
+        add(s, f"h{i}", heavy)
+        add(s, f"l{i}", Tenancy("l"))
+    order = first_scheduled(s, steps=400)[:9]
+    # Served the same tokens per request, h (weight 2) gets two seats for l's one.
+    assert sum(r.startswith("h") for r in order) == 6, order
+
+
+def test_the_tenant_over_its_share_is_the_one_preempted():
+    victims = {}
+    for fair in (True, False):
+        s = make_scheduler(num_blocks=9, max_num_seqs=3, fair_share=fair)
+        add(s, "a1", A, prompt=4, max_tokens=40)
+        add(s, "a2", A, prompt=4, max_tokens=40)
+        add(s, "b1", B, prompt=4, max_tokens=40)
+        for _ in range(40):
+            out, _ = run_step(s)
+            if out.preempted_ids:
+                victims[fair] = out.preempted_ids[0]
+                break
+    # a runs two sequences to b's one: past its share, it gives way, not the latest arrival.
+    assert victims == {True: "a2", False: "b1"}
+
+
+def test_a_lower_tier_goes_first_whatever_it_was_served():
+    s = make_scheduler(max_num_seqs=1)
+    add(s, "x1", Tenancy("x", tier=1))
+    add(s, "g1", Tenancy("g", tier=0))
+    add(s, "g2", Tenancy("g", tier=0))
+    assert first_scheduled(s) == ["g1", "g2", "x1"]
+
+
+def test_priority_aging_and_max_wait_let_no_request_wait_for_ever():
+    s = make_scheduler(max_num_seqs=1, policy="priority", aging_per_s=1.0)
+    low = make_request("low", priority=5)
+    low.arrival_time = -10.0  # waited 10 s: aged from 5 to about -5
+    s.add_request(low)
+    add(s, "urgent", Tenancy(), priority=0)
+    assert first_scheduled(s)[0] == "low"
+    s = make_scheduler(max_num_seqs=1, policy="priority", max_wait_s=5.0)
+    low = make_request("low", priority=5)
+    low.arrival_time = -6.0  # past max_wait_s: first, whatever its priority
+    s.add_request(low)
+    add(s, "urgent", Tenancy(), priority=0)
+    assert first_scheduled(s)[0] == "low"
+
+
+def test_sjf_orders_by_predicted_output_not_by_max_tokens():
+    s = make_scheduler(max_num_seqs=1, policy="sjf", fair_share=False)
+    s.add_request(make_request("long", 6, 50, tenancy=Tenancy(predicted_tokens=40)))
+    s.add_request(make_request("short", 6, 50, tenancy=Tenancy(predicted_tokens=3)))
+    assert first_scheduled(s, steps=400)[:2] == ["short", "long"]
+
+
+def test_decode_first_limits_prompt_tokens_beside_decodes():
+    s = make_scheduler(max_num_batched_tokens=64, prefill_chunk_size=64, prefill_share=0.25)
+    add(s, "d", Tenancy(), prompt=4, max_tokens=20)
+    run_step(s)  # d's prompt; from now on it decodes
+    add(s, "p", Tenancy(), prompt=60, max_tokens=2)
+    out, _ = run_step(s)
+    prompt_tokens = sum(r.num_tokens for r in out.prefills)
+    assert [r.request_id for r in out.decodes] == ["d"] and prompt_tokens == 16
+
+
+def test_a_flood_that_took_every_seat_gives_another_tenant_its_share():
+    s = make_scheduler(num_blocks=256, max_num_seqs=4)
+    for i in range(6):
+        add(s, f"a{i}", A, prompt=4, max_tokens=2000)
+    for _ in range(5):
+        run_step(s)
+    assert len(s.running) == 4 and s.num_preemptions == 0  # alone, a takes every seat
+    for i in range(3):
+        add(s, f"b{i}", B, prompt=4, max_tokens=2000)
+    out, _ = run_step(s)
+    running = [r.request_id for r in s.running]
+    # b gets its share (2 of 4) at once, from a's newest requests; no further change.
+    assert sorted(r[0] for r in running) == ["a", "a", "b", "b"]
+    assert s.num_preemptions == 2 and {"a2", "a3"}.isdisjoint(running)
+    for _ in range(10):
+        run_step(s)
+    assert s.num_preemptions == 2
+
+
+def test_seats_follow_weights_and_a_tenant_at_its_share_takes_none():
+    s = make_scheduler(num_blocks=256, max_num_seqs=3)
+    heavy = Tenancy("h", weight=2.0)
+    for i in range(3):
+        add(s, f"l{i}", Tenancy("l"), prompt=4, max_tokens=2000)
+    run_step(s)
+    for i in range(3):
+        add(s, f"h{i}", heavy, prompt=4, max_tokens=2000)
+    run_step(s)
+    assert sorted(r.request_id[0] for r in s.running) == ["h", "h", "l"]
+    add(s, "l9", Tenancy("l"), prompt=4, max_tokens=2000)  # l is at its share: it waits
+    run_step(s)
+    assert s.num_preemptions == 2
