@@ -231,3 +231,36 @@ def test_engine_paced_greedy_output_equals_unpaced(tiny_llama_dir):
         assert [len(t) for t in results[target]] == [12, 12]
     assert chunks and max(chunks) == 4 and sum(chunks) == 110  # both prompts, 4 at a time
     assert results[None] == results[40.0]
+
+
+def test_a_requests_own_tpot_target_holds_back_decodes_without_one():
+    from workers.engine.pacing import MAX_DECODE_PAUSE_S
+    from workers.engine.request import Tenancy
+
+    clock = Clock()
+    s = make_scheduler(num_blocks=4096, block_size=4, max_num_batched_tokens=256)
+    s.clock = clock
+    # A decode step costs 10 ms + 2 ms per decode: 8 decodes take 26 ms.
+    teach(s, decode_s=0.010, per_decode_s=0.002, chunk_s=0.005, per_token_s=0.001)
+    for i in range(7):
+        s.add_request(make_request(f"bulk{i}", 4, 200, tenancy=Tenancy("a")))
+    s.add_request(make_request("chat", 4, 200, tenancy=Tenancy("b", tpot_slo_ms=20.0)))
+    step_for(s, clock, 0.03)  # the prompts
+    out = step_for(s, clock, 0.02)
+    rows = [r.request_id for r in out.decodes]
+    # 0.9 x 20 ms = 18 ms: 4 decodes (as fitted, 3 or 4), the one with the target first.
+    assert rows[0] == "chat" and 3 <= len(rows) <= 4
+    # None held back for longer than MAX_DECODE_PAUSE_S: every one advances.
+    made = {f"bulk{i}": 0 for i in range(7)}
+    for _ in range(int(MAX_DECODE_PAUSE_S / 0.02) * 3):
+        for r in step_for(s, clock, 0.02).decodes:
+            made[r.request_id] = made.get(r.request_id, 0) + 1
+    assert all(n > 0 for n in made.values()), made
+    # Without a target anywhere, nothing is held back.
+    s2 = make_scheduler(num_blocks=4096, block_size=4, max_num_batched_tokens=256)
+    s2.clock = clock
+    teach(s2, decode_s=0.010, per_decode_s=0.002)
+    for i in range(8):
+        s2.add_request(make_request(f"r{i}", 4, 200))
+    step_for(s2, clock, 0.03)
+    assert len(step_for(s2, clock, 0.02).decodes) == 8

@@ -18,6 +18,11 @@ the running sequences can spare:
 - while prompts wait, one block of them runs at least every 8*T whatever the slack (the
   policy picks whose), so prompts always advance.
 
+Requests with a TPOT target of their own (`tpot_slo_ms`) beside requests with none: the
+step's decode batch is also bounded (`decode_cap`), the decodes without a target (in the
+policy's order: under fair share, the tenant most over its share last) held back a step,
+none for longer than MAX_DECODE_PAUSE_S.
+
 Sarathi-Serve derives one chunk size from the TPOT SLO ahead of time; sizing each step from
 the sequences' own pace spends the slack that short steps leave, so long prompts still move
 in large chunks while the batch runs ahead of its target. The target is the engine's own
@@ -37,6 +42,12 @@ MIN_OBSERVATIONS = 3
 # A sequence may borrow against this many of its coming tokens: one long step now, repaid by
 # the decode-only steps after it. Bounded, so a sequence that ends early (EOS) owes little.
 HORIZON_TOKENS = 8
+# Decodes without a target are held back so that a step takes at most this share of the
+# tightest target: the stream's delivery takes the rest.
+DECODE_HEADROOM = 0.9
+# A decode held back this long runs whatever the targets: it always advances, well within
+# any stall timeout.
+MAX_DECODE_PAUSE_S = 1.0
 
 
 class StepCostModel:
@@ -134,6 +145,24 @@ class DecodePacer:
             h = min(left, HORIZON_TOKENS)
             slack = min(slack, target * (k + h) - elapsed - (h - 1) * step)
         return slack
+
+    def decode_cap(self, decoding: list[Request]) -> int | None:
+        """How many decodes of requests with no TPOT target a step may run beside those with
+        one and still keep the tightest target (with DECODE_HEADROOM); None: no limit. A
+        batch's decode step grows with its size: a tenant's own TPOT target is kept by
+        holding others' decodes back a step, not by failing it."""
+        if self.model.observations < MIN_OBSERVATIONS:
+            return None
+        targets = [t for t in map(self.target_of, decoding) if t is not None]
+        if not targets or len(targets) == len(decoding):
+            return None
+        tight = DECODE_HEADROOM * min(targets)
+        if self.model.decode_seconds(len(decoding)) <= tight:
+            return None
+        size = len(targets)
+        while size < len(decoding) and self.model.decode_seconds(size + 1) <= tight:
+            size += 1
+        return size - len(targets)
 
     def prompt_allowance(self, decoding: list[Request], now: float, max_model_len: int):
         """Prompt tokens the next step may compute beside `decoding` (as for `slack`); None

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from workers.engine.block_pool import BlockPool
 from workers.engine.config import SchedulerConfig
 from workers.engine.kv_manager import KVCacheManager
-from workers.engine.pacing import DecodePacer
+from workers.engine.pacing import MAX_DECODE_PAUSE_S, DecodePacer
 from workers.engine.policy import make_policy
 from workers.engine.request import ErrorKind, Request, RequestStatus, choice_id, choice_seed
 from workers.engine.scheduler_output import SampledToken, ScheduledRequest, SchedulerOutput
@@ -52,6 +52,10 @@ class Scheduler:
         self.pacer = DecodePacer(target, pool.block_size) if config.enable_chunked_prefill else None
         self._prompt_allowance: int | None = None  # this step's, under pacing; None: no limit
         self._decodes_due = 0  # this step's running decodes not yet served: their budget
+        # Decodes of requests without a TPOT target this step may still run beside those
+        # with one (pacing's decode_cap; None: no limit), and since when each held back is.
+        self._decode_cap: int | None = None
+        self._held_back: dict[str, float] = {}
         # Pacing: the last step scheduled and when, to time it by the next one's start.
         self._timing: tuple[SchedulerOutput, float] | None = None
         self.pool = pool
@@ -110,6 +114,7 @@ class Scheduler:
                 self.kv.free(ghost)
             self.padding.clear()
         self.policy.forget(req)
+        self._held_back.pop(request_id, None)
         if not self.requests:  # the loop idles now: the next step's start times nothing
             self._timing = None
         return req
@@ -172,13 +177,14 @@ class Scheduler:
         self.waiting.sort(key=self.policy.key)
         decoding = [r for r in self.running if r.is_decoding]
         self._decodes_due = len(decoding)
-        self._prompt_allowance = None
+        self._prompt_allowance = self._decode_cap = None
         if self.pacer is not None:
             now = self.clock()
             self._observe_last_step(now)
             self._prompt_allowance = self.pacer.prompt_allowance(
                 decoding, now, self.config.max_model_len
             )
+            self._decode_cap = self.pacer.decode_cap(decoding)
         share = self.config.prefill_share
         if decoding and share < 1:  # decode-first: prompts take at most this share
             cap = int(share * self.config.max_num_batched_tokens)
@@ -237,6 +243,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop to make room
             if ahead and not out.preempted_ids:
                 budget = self._schedule_waiting(out, budget, before=self.policy.key(req))
+            if self._holds_back(req):
+                continue
             n = self._num_new_tokens(req, budget)
             if n == 0 or (ahead and self._yields(req, n, out)):
                 continue
@@ -259,6 +267,20 @@ class Scheduler:
                 budget -= n
                 self._emit(out, req, n)
         return budget
+
+    def _holds_back(self, req: Request) -> bool:
+        """Pacing's decode cap: a decode with no TPOT target of its own past this step's cap
+        waits a step, unless it has waited MAX_DECODE_PAUSE_S already."""
+        if self._decode_cap is None or not req.is_decoding or self.pacer.target_of(req):
+            return False
+        now = self.clock()
+        since = self._held_back.get(req.request_id)
+        if self._decode_cap > 0 or (since is not None and now - since >= MAX_DECODE_PAUSE_S):
+            self._decode_cap = max(0, self._decode_cap - 1)
+            self._held_back.pop(req.request_id, None)
+            return False
+        self._held_back.setdefault(req.request_id, now)
+        return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, before=None) -> int:
         """Admit waiting requests in policy order (`waiting` is sorted by `schedule`; only

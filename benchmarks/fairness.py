@@ -1,0 +1,609 @@
+"""Who gets responsiveness when the cluster is full: each scheduling policy side by side, in
+one run, on real Tandem clusters (Ray workers, the router over gRPC on loopback, Redis).
+
+    python benchmarks/fairness.py [--out F] [--scenarios noisy,weights,starvation,sjf,slo]
+        [--scale 1.0]
+
+Scenarios (each prints a table; all go to one JSON, and one PNG beside it):
+- noisy: tenant B sends a steady stream of chats; tenant A floods long requests, far past its
+  share. B's TTFT and TPOT p90 alone, then with A flooding under fair share (the router's
+  and the engines'), and under FCFS (both off), each on a cluster of its own config; with A
+  flooding, B's requests carry a TPOT target (tpot_slo_ms) of 1.3x its TPOT alone. Both
+  clusters run decode-first (engine.prefill_share 0.25).
+- weights: three tenants of weights 1:2:4, all saturating: each one's share of the output
+  tokens over a window where all are busy, against its weight's share.
+- starvation: under SJF, one long request among a stream of short ones that never lets up:
+  its wait for a first token without a max wait, and with router.admission_max_wait_s.
+- sjf: a heavy-tailed workload (output length set by the kind of request, one kind per
+  tenant, ended by EOS): completion time (arrival to last token) under FCFS, SJF by prompt
+  length, SJF by predicted length (the router's predictor, learned online) and SJF by the
+  true length (the oracle, from the FCFS run: greedy outputs repeat exactly); the
+  predictor's mean absolute error.
+- slo: interactive chats (tight TTFT SLO) and batch requests (loose) at Poisson arrivals,
+  at 1x and 1.5x the rate the cluster serves that mix saturated (measured first): goodput
+  (requests per second meeting both SLOs) under FCFS against slack ordering with
+  reject_if_late.
+
+Clusters are colocated (one worker with both cores, chunked prefill, max_num_seqs seats) so
+that one engine's scheduler is measured, not two processes sharing two cores; the router's
+slots (max_in_flight) are few where the router's order is measured (starvation, sjf, slo)
+and many where the engine's is (noisy, weights). Timings are this machine's: compare ratios
+within the run, never figures across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import RESULTS, log, print_table  # noqa: E402
+from benchmarks.make_workloads import STYLES, TOPICS  # noqa: E402
+
+SCENARIOS = ("noisy", "weights", "starvation", "sjf", "slo")
+FILLER = (
+    "Here is some background you may use. The history of science is full of ideas that "
+    "seemed strange at first and later became common sense, and of careful measurements "
+    "that overturned what everybody believed. "
+)
+
+
+# -- requests and their outcomes -------------------------------------------------------------
+@dataclass
+class Job:
+    at: float  # seconds after the phase starts
+    tenant: str
+    prompt: str
+    max_tokens: int
+    ignore_eos: bool = True
+    priority: int = 0
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    reject_if_late: bool = False
+    kind: str = ""
+
+
+@dataclass
+class Outcome:
+    job: Job
+    status: str = "OK"
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    tokens: int = 0
+    token_times: list[float] = field(default_factory=list)  # since the phase's start
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.tokens < 2 or self.e2e_s is None:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.tokens - 1)
+
+    def meets(self) -> bool:
+        j = self.job
+        if self.status != "OK" or self.ttft_s is None:
+            return False
+        if j.ttft_slo_ms is not None and self.ttft_s * 1e3 > j.ttft_slo_ms:
+            return False
+        tpot = self.tpot_s
+        return j.tpot_slo_ms is None or tpot is None or tpot * 1e3 <= j.tpot_slo_ms
+
+
+def message(j: Job):
+    from router.api import tandem_pb2 as pb
+
+    sp = pb.SamplingParams(max_tokens=j.max_tokens, temperature=0.0, ignore_eos=j.ignore_eos)
+    msg = pb.GenerateRequest(prompt=j.prompt, sampling=sp, tenant=j.tenant, priority=j.priority)
+    if j.ttft_slo_ms is not None:
+        msg.ttft_slo_ms = j.ttft_slo_ms
+    if j.tpot_slo_ms is not None:
+        msg.tpot_slo_ms = j.tpot_slo_ms
+    msg.reject_if_late = j.reject_if_late
+    return msg
+
+
+async def run_jobs(address: str, jobs: list[Job], until=None, timeout_s: float = 300) -> list:
+    """Send every job at its time; returns their outcomes. `until(outcomes)`: once true
+    (checked as jobs end), the jobs still running are cancelled (their outcome CANCELLED)."""
+    from router.client import TandemClient
+
+    client = TandemClient(address)
+    t0 = time.perf_counter()
+    outcomes = [Outcome(j) for j in jobs]
+    done = asyncio.Event()
+
+    async def one(o: Outcome) -> None:
+        await asyncio.sleep(max(0.0, t0 + o.job.at - time.perf_counter()))
+        sent = time.perf_counter()
+        try:
+            r = await client.generate(message(o.job), timeout_s=timeout_s)
+        except asyncio.CancelledError:
+            o.status = "CANCELLED"
+            raise
+        o.status, o.ttft_s, o.e2e_s = r.status, r.ttft_s, r.e2e_s
+        o.tokens = len(r.token_ids)
+        o.token_times = [sent - t0 + t for t in r.token_times]
+        if until is not None and until(outcomes):
+            done.set()
+
+    tasks = [asyncio.create_task(one(o)) for o in outcomes]
+    waiter = asyncio.create_task(done.wait())
+    everything = asyncio.gather(*tasks, return_exceptions=True)
+    try:
+        await asyncio.wait([everything, waiter], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in [*tasks, waiter]:
+            t.cancel()
+        await asyncio.gather(everything, waiter, return_exceptions=True)
+        await client.close()
+    for o in outcomes:
+        if o.status == "OK" and o.ttft_s is None:
+            o.status = "CANCELLED"
+    return outcomes
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(x for x in xs if x is not None)
+    return xs[min(len(xs) - 1, int(len(xs) * p / 100))] if xs else float("nan")
+
+
+def ms(x: float) -> float:
+    return round(1e3 * x, 1)
+
+
+# -- clusters --------------------------------------------------------------------------------
+@contextlib.asynccontextmanager
+async def cluster(name: str, *, fair: bool, seats: int, slots: int, prefill_share: float = 1.0):
+    from cluster import config_io
+    from cluster.cluster import Cluster
+    from cluster.config import ClusterConfig
+
+    data_dir = RESULTS / f"fairness-data-{name}"
+    # A fresh Redis: requests an earlier run left would be adopted and replayed here.
+    shutil.rmtree(data_dir, ignore_errors=True)
+    values = dict(
+        mode="colocated",
+        dashboard=False,
+        data_dir=str(data_dir),
+        decode=dict(replicas=1, cpus=2),
+        engine=dict(
+            dtype="bfloat16",
+            kv_cache_gb=1.0,
+            max_num_seqs=seats,
+            prefill_chunk_size=256,
+            max_num_batched_tokens=256,
+            fair_share=fair,
+            prefill_share=prefill_share,
+        ),
+        router=dict(port=0, max_in_flight=slots, admission_fair_share=fair, max_queue=4096),
+    )
+    cfg = config_io.build(ClusterConfig, values, name)
+    log(
+        f"[{name}] starting: colocated, {seats} seats, {slots} router slots, fair share {fair}, "
+        f"prefill_share {prefill_share}"
+    )
+    c = await Cluster(cfg).start(progress=lambda m: log(f"  {m}"))
+    try:
+        await run_jobs(c.address, [Job(0, "warm", "Say hi.", 4)])  # warm-up
+        yield c
+    finally:
+        await c.stop()
+
+
+def set_router(c, **changes) -> None:
+    c.router.config = replace(c.router.config, **changes)
+
+
+# -- workloads -------------------------------------------------------------------------------
+def chat(rng: random.Random) -> str:
+    return rng.choice(STYLES[:3]).format(t=rng.choice(TOPICS))
+
+
+def long_prompt(rng: random.Random, repeats: int) -> str:
+    return FILLER * repeats + rng.choice(STYLES).format(t=rng.choice(TOPICS))
+
+
+def spaced(rate: float, n: int, start: float = 0.0) -> list[float]:
+    return [start + i / rate for i in range(n)]
+
+
+def poisson(rng: random.Random, rate: float, n: int) -> list[float]:
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+# -- scenarios -------------------------------------------------------------------------------
+async def noisy(scale: float) -> dict:
+    rng = random.Random(1)
+    n_b = max(8, int(24 * scale))
+    b = [Job(t, "b", chat(rng), 48, kind="chat") for t in spaced(0.7, n_b, 1.0)]
+    span = b[-1].at
+    # A: long prompts and answers, about 2 a second for as long as B sends: past 10x its share.
+    a = [Job(t, "a", long_prompt(rng, 8), 192, kind="long") for t in spaced(2.0, int(2 * span))]
+
+    def b_done(outcomes):
+        return all(o.status != "OK" or o.e2e_s is not None for o in outcomes if o.job.tenant == "b")
+
+    def summary(outs) -> dict:
+        bs = [o for o in outs if o.job.tenant == "b"]
+        ok = [o for o in bs if o.status == "OK"]
+        return {
+            "b_requests": len(bs),
+            "b_completed": len(ok),
+            "b_ttft_p90_ms": ms(pct([o.ttft_s for o in ok], 90)),
+            "b_tpot_p90_ms": ms(pct([o.tpot_s for o in ok], 90)),
+            "b_ttft_p50_ms": ms(pct([o.ttft_s for o in ok], 50)),
+            "b_tpot_p50_ms": ms(pct([o.tpot_s for o in ok], 50)),
+            "a_tokens": sum(o.tokens for o in outs if o.job.tenant == "a"),
+        }
+
+    out = {}
+    # Decode-first (prompts take at most a quarter of a step beside decodes), the same on
+    # both clusters: a flood's long prompts do not stretch the steps the others decode in.
+    async with cluster("noisy-fair", fair=True, seats=8, slots=256, prefill_share=0.25) as c:
+        log("[noisy] B alone")
+        out["alone"] = summary(await run_jobs(c.address, b))
+        # B asks for a TPOT of 1.3x what it gets alone (tpot_slo_ms), as an interactive
+        # tenant states its target; A states none. The same requests go to both clusters.
+        target = round(1.3 * out["alone"]["b_tpot_p50_ms"], 1)
+        b = [replace(j, tpot_slo_ms=target) for j in b]
+        flood = sorted(a + b, key=lambda j: j.at)
+        log(f"[noisy] B (tpot_slo_ms {target}) with A flooding, fair share")
+        out["fair"] = summary(await run_jobs(c.address, flood, b_done))
+        log("[noisy] B alone again (the machine may have changed meanwhile)")
+        out["alone_after"] = summary(await run_jobs(c.address, b))
+    async with cluster("noisy-fcfs", fair=False, seats=8, slots=256, prefill_share=0.25) as c:
+        log("[noisy] B with A flooding, FCFS")
+        out["fcfs"] = summary(await run_jobs(c.address, flood, b_done))
+    out["b_tpot_slo_ms"] = target
+    runs = {k: v for k, v in out.items() if isinstance(v, dict)}
+    for k in ("fair", "fcfs"):
+        for m in ("ttft", "tpot"):
+            # Against the better of the two runs alone: the ratio is never flattered.
+            alone = min(out["alone"][f"b_{m}_p90_ms"], out["alone_after"][f"b_{m}_p90_ms"])
+            out[k][f"b_{m}_p90_vs_alone"] = round(out[k][f"b_{m}_p90_ms"] / alone, 2)
+    print("\nnoisy neighbour: tenant B's latency (ms), A flooding long requests")
+    print_table(
+        ["run", "B TTFT p50", "B TTFT p90", "x alone", "B TPOT p50", "B TPOT p90", "x alone"],
+        [
+            [
+                k,
+                v["b_ttft_p50_ms"],
+                v["b_ttft_p90_ms"],
+                v.get("b_ttft_p90_vs_alone", 1.0),
+                v["b_tpot_p50_ms"],
+                v["b_tpot_p90_ms"],
+                v.get("b_tpot_p90_vs_alone", 1.0),
+            ]
+            for k, v in runs.items()
+        ],  # fmt: skip
+    )
+    return out
+
+
+async def weights(scale: float) -> dict:
+    rng = random.Random(2)
+    w = {"w1": 1.0, "w2": 2.0, "w4": 4.0}
+    # Each tenant has more than the window can serve: none runs dry inside it.
+    window = (8.0, 8.0 + 40.0 * scale)
+    n = max(24, int(120 * scale))
+    jobs = [Job(0.02 * i, t, chat(rng), 64) for i in range(n) for t in w]
+
+    def past_window(outcomes):
+        return any(o.token_times and o.token_times[-1] > window[1] for o in outcomes)
+
+    async with cluster("weights", fair=True, seats=8, slots=256) as c:
+        for t, wt in w.items():  # as `tandem tenants --set` does
+            c.router.admission.tenants.update(t, weight=wt)
+        log(f"[weights] three tenants, weights {w}, saturating")
+        outs = await run_jobs(c.address, jobs, past_window)
+    # The window ends early if a tenant's backlog ran out inside it: then it is not saturating.
+    last = {t: max((x for o in outs if o.job.tenant == t for x in o.token_times), default=0.0)
+            for t in w}  # fmt: skip
+    window = (window[0], min(window[1], *last.values()))
+    tokens = {t: 0 for t in w}
+    for o in outs:
+        tokens[o.job.tenant] += sum(1 for x in o.token_times if window[0] <= x < window[1])
+    total, wsum = sum(tokens.values()), sum(w.values())
+    rows, errors = [], {}
+    for t, wt in w.items():
+        share, want = tokens[t] / max(1, total), wt / wsum
+        errors[t] = abs(share - want) / want
+        rows.append([t, wt, tokens[t], f"{share:.3f}", f"{want:.3f}", f"{errors[t]:.1%}"])
+    print("\nweights: output tokens in the window where all three saturate")
+    print_table(["tenant", "weight", "tokens", "share", "weight's share", "error"], rows)
+    return {
+        "weights": w,
+        "window_s": list(window),
+        "tokens": tokens,
+        "share_error": {t: round(e, 4) for t, e in errors.items()},
+        "max_share_error": round(max(errors.values()), 4),
+    }
+
+
+async def starvation(c, scale: float) -> dict:
+    rng = random.Random(3)
+    span = 40.0 * scale
+    # Short requests at 4 a second: more than two slots serve, so the queue never empties.
+    shorts = [Job(t, "s", chat(rng), 24, kind="short") for t in spaced(4.0, int(4 * span))]
+    longest = Job(1.0, "s", long_prompt(rng, 12), 96, kind="longest")
+    jobs = sorted([*shorts, longest], key=lambda j: j.at)
+    out = {}
+    for name, max_wait in (("sjf", None), ("sjf_max_wait", 5.0)):
+        set_router(c, admission_policy="sjf", admission_fair_share=False,
+                   admission_max_wait_s=max_wait)  # fmt: skip
+        log(f"[starvation] {name}: one long request among a stream of short ones")
+        outs = await run_jobs(c.address, jobs)
+        lo = next(o for o in outs if o.job.kind == "longest")
+        out[name] = {
+            "max_wait_s": max_wait,
+            "longest_wait_ms": ms(lo.ttft_s) if lo.ttft_s is not None else None,
+            "short_ttft_p90_ms": ms(pct([o.ttft_s for o in outs if o.job.kind == "short"], 90)),
+            "stream_s": span,
+        }
+    set_router(c, admission_max_wait_s=None)
+    print("\nstarvation: SJF, one long request among short ones that never let up")
+    print_table(
+        ["run", "max_wait_s", "longest's wait (ms)", "shorts' TTFT p90 (ms)"],
+        [
+            [k, v["max_wait_s"], v["longest_wait_ms"], v["short_ttft_p90_ms"]]
+            for k, v in out.items()
+        ],
+    )
+    return out
+
+
+def heavy_tailed_jobs(rng: random.Random, n: int, rate: float) -> list[Job]:
+    """Three kinds of request, one per tenant, each ending by EOS at its own length, all with
+    the same max_tokens: a long text and a one-word answer (the longest prompts, the
+    shortest outputs), a one-sentence summary, and an essay (short prompt, long output, up
+    to the cap): a heavy tail that prompt length does not predict and the tenant does."""
+    kinds = {
+        "classify": FILLER * 4 + "Answer with one word only: is the text above about {t}?",
+        "summary": "Summarize {t} in one short sentence.",
+        "essay": STYLES[4],
+    }
+    jobs = []
+    for t in poisson(rng, rate, n):
+        tenant = rng.choices(list(kinds), weights=(5, 4, 2))[0]
+        prompt = kinds[tenant].format(t=rng.choice(TOPICS))
+        jobs.append(Job(t, tenant, prompt, 320, ignore_eos=False, kind=tenant))
+    return jobs
+
+
+def completion_summary(outs) -> dict:
+    done = [o.job.at + o.e2e_s for o in outs if o.status == "OK" and o.e2e_s is not None]
+    comp = [o.e2e_s for o in outs if o.status == "OK" and o.e2e_s is not None]
+    span = max(done) if done else float("nan")
+    return {
+        "completed": len(comp),
+        "mean_completion_ms": ms(statistics.fmean(comp)) if comp else None,
+        "p99_completion_ms": ms(pct(comp, 99)),
+        "requests_per_s": round(len(comp) / span, 3) if comp else 0.0,
+    }
+
+
+async def sjf(c, scale: float, tokenizer) -> dict:
+    rng = random.Random(4)
+    jobs = heavy_tailed_jobs(rng, max(16, int(48 * scale)), rate=1.6)  # past capacity
+    prompt_tokens = {j.prompt: len(tokenizer.encode_chat(j.prompt)) for j in jobs}
+    out, truth = {}, {}
+    set_router(c, admission_fair_share=False, admission_max_wait_s=None)
+    runs = [("fcfs", "fcfs"), ("sjf_prompt", "priority"), ("sjf_predicted", "sjf"),
+            ("sjf_oracle", "priority")]  # fmt: skip
+    predictor = c.router.admission.predictor
+    for name, policy in runs:
+        set_router(c, admission_policy=policy)
+        if name == "sjf_prompt":  # priority: lower first; the prompt's length alone
+            run = [replace(j, priority=prompt_tokens[j.prompt]) for j in jobs]
+        elif name == "sjf_oracle":  # the true cost, as sjf counts it
+            run = [replace(j, priority=prompt_tokens[j.prompt] + 2 * truth[j.prompt]) for j in jobs]
+        else:
+            run = jobs
+        log(f"[sjf] {name}: {len(run)} requests, heavy-tailed outputs")
+        before = predictor.observed
+        outs = await run_jobs(c.address, run)
+        if name == "fcfs":
+            truth = {o.job.prompt: o.tokens for o in outs if o.status == "OK"}
+        out[name] = completion_summary(outs)
+        if name == "sjf_predicted":
+            out[name]["predictor_observed"] = predictor.observed - before
+    lengths = sorted(truth.values())
+    out["output_tokens"] = {"p50": pct(lengths, 50), "p90": pct(lengths, 90), "max": lengths[-1]}
+    out["predictor_mae_tokens"] = round(predictor.mean_abs_error or float("nan"), 1)
+    print("\nSJF: completion time (arrival to last token), heavy-tailed outputs")
+    print_table(
+        ["run", "completed", "mean (ms)", "p99 (ms)"],
+        [
+            [k, v["completed"], v["mean_completion_ms"], v["p99_completion_ms"]]
+            for k, v in out.items()
+            if isinstance(v, dict) and "completed" in v
+        ],  # fmt: skip
+    )
+    lengths = out["output_tokens"]
+    print(
+        f"output-length predictor: mean absolute error {out['predictor_mae_tokens']} tokens "
+        f"(outputs p50 {lengths['p50']}, p90 {lengths['p90']})"
+    )
+    return out
+
+
+def slo_jobs(rng: random.Random, times: list[float]) -> list[Job]:
+    """Interactive chats (TTFT 2 s) and batch requests (longer, TTFT 15 s), 3 to 2."""
+    jobs = []
+    for t in times:
+        if rng.random() < 0.6:
+            jobs.append(Job(t, "chat", chat(rng), 48, ttft_slo_ms=2000, tpot_slo_ms=250,
+                            kind="interactive"))  # fmt: skip
+        else:
+            jobs.append(Job(t, "batch", long_prompt(rng, 4), 96, ttft_slo_ms=15000,
+                            tpot_slo_ms=500, kind="batch"))  # fmt: skip
+    return jobs
+
+
+async def slo(c, scale: float) -> dict:
+    """At 1x and 1.5x the rate the cluster serves this mix when saturated (measured first,
+    under FCFS, all requests sent at once): where FCFS starts to miss the SLOs."""
+    set_router(c, admission_policy="fcfs", admission_fair_share=False)
+    burst = slo_jobs(random.Random(6), [0.0] * max(12, int(24 * scale)))
+    log(f"[slo] capacity: {len(burst)} requests at once")
+    outs = await run_jobs(c.address, burst)
+    capacity = completion_summary(outs)["requests_per_s"]
+    out: dict = {"capacity_per_s": capacity}
+    for factor in (1.0, 1.5):
+        rate = capacity * factor
+        rng = random.Random(5)
+        jobs = slo_jobs(rng, poisson(rng, rate, max(16, int(40 * scale))))
+        span = jobs[-1].at
+        for name in ("fcfs", "slack"):
+            set_router(c, admission_policy=name, admission_fair_share=False)
+            run = [replace(j, reject_if_late=name == "slack") for j in jobs]
+            log(f"[slo] {name} at {rate:.2f}/s ({factor}x)")
+            outs = await run_jobs(c.address, run)
+            good = [o for o in outs if o.meets()]
+            end = max((o.job.at + o.e2e_s for o in outs if o.e2e_s is not None), default=span)
+            out[f"{name}_{factor}x"] = {
+                "rate": round(rate, 3),
+                "requests": len(outs),
+                "good": len(good),
+                "refused": sum(1 for o in outs if o.status == "RESOURCE_EXHAUSTED"),
+                "goodput": round(len(good) / end, 3),
+                "interactive_good": sum(1 for o in good if o.job.kind == "interactive"),
+            }
+    print(
+        "\nSLO-aware: goodput (requests a second meeting both SLOs); saturated, the cluster "
+        f"served {capacity} requests a second"
+    )
+    runs = {k: v for k, v in out.items() if isinstance(v, dict)}
+    print_table(
+        ["run", "rate/s", "requests", "good", "refused early", "goodput/s"],
+        [
+            [k, v["rate"], v["requests"], v["good"], v["refused"], v["goodput"]]
+            for k, v in runs.items()
+        ],
+    )
+    return out
+
+
+# -- plot ------------------------------------------------------------------------------------
+def pairs(ax, labels: list[str], a: list[float], a_name: str, b: list[float], b_name: str):
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], a, 0.4, label=a_name)
+    ax.bar([i + 0.2 for i in x], b, 0.4, label=b_name)
+    ax.set_xticks(list(x), labels)
+
+
+def plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no plot")
+        return
+    panels = [k for k in ("noisy_neighbour", "weights", "sjf", "slo") if k in results]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    axes = [axes] if len(panels) == 1 else axes
+    for ax, key in zip(axes, panels):
+        r = results[key]
+        if key == "noisy_neighbour":
+            runs = [k for k, v in r.items() if isinstance(v, dict)]
+            x = range(len(runs))
+            ax.bar(
+                [i - 0.2 for i in x], [r[k]["b_ttft_p90_ms"] for k in runs], 0.4, label="TTFT p90"
+            )
+            ax.bar(
+                [i + 0.2 for i in x], [r[k]["b_tpot_p90_ms"] for k in runs], 0.4, label="TPOT p90"
+            )
+            ax.set_xticks(list(x), runs)
+            ax.set_yscale("log")
+            ax.set_title("tenant B's latency (ms)")
+            ax.legend()
+        elif key == "weights":
+            names = list(r["weights"])
+            total = sum(r["tokens"].values()) or 1
+            wsum = sum(r["weights"].values())
+            x = range(len(names))
+            ax.bar([i - 0.2 for i in x], [r["tokens"][t] / total for t in names], 0.4, label="got")
+            ax.bar(
+                [i + 0.2 for i in x], [r["weights"][t] / wsum for t in names], 0.4, label="weight"
+            )
+            ax.set_xticks(list(x), names)
+            ax.set_title("share of output tokens")
+            ax.legend()
+        elif key == "sjf":
+            runs = [k for k, v in r.items() if isinstance(v, dict) and "completed" in v]
+            ax.bar(runs, [r[k]["mean_completion_ms"] or 0 for k in runs])
+            ax.set_title("mean completion time (ms)")
+            ax.tick_params(axis="x", rotation=20)
+        else:
+            runs = [k for k, v in r.items() if isinstance(v, dict)]
+            ax.bar(runs, [r[k]["goodput"] for k in runs])
+            ax.set_title("goodput (req/s meeting SLOs)")
+            ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    log(f"wrote {path}")
+
+
+# -- main ------------------------------------------------------------------------------------
+async def amain(args) -> dict:
+    from workers.model.loader import resolve_model
+    from workers.model.tokenizer import Tokenizer
+
+    chosen = args.scenarios.split(",")
+    unknown = set(chosen) - set(SCENARIOS)
+    if unknown:
+        raise SystemExit(
+            f"unknown scenario(s) {', '.join(sorted(unknown))}: {', '.join(SCENARIOS)}"
+        )
+    results: dict = {"scale": args.scale}
+    t0 = time.perf_counter()
+    if "noisy" in chosen:
+        results["noisy_neighbour"] = await noisy(args.scale)
+    if "weights" in chosen:
+        results["weights"] = await weights(args.scale)
+    if {"starvation", "sjf", "slo"} & set(chosen):
+        async with cluster("router-order", fair=False, seats=8, slots=2) as c:
+            if "starvation" in chosen:
+                results["starvation"] = await starvation(c, args.scale)
+            if "sjf" in chosen:
+                tokenizer = Tokenizer(resolve_model(None))
+                results["sjf"] = await sjf(c, args.scale, tokenizer)
+            if "slo" in chosen:
+                results["slo"] = await slo(c, args.scale)
+    results["seconds"] = round(time.perf_counter() - t0, 1)
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--scale", type=float, default=1.0, help="workload size and duration")
+    ap.add_argument("--out", type=Path, default=RESULTS / "fairness.json")
+    args = ap.parse_args(argv)
+    results = asyncio.run(amain(args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    log(f"wrote {args.out} ({results['seconds']:.0f} s)")
+    plot(results, args.out.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
