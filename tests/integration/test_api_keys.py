@@ -238,3 +238,48 @@ def test_no_key_token_or_password_is_in_redis_its_aof_or_the_logs(cluster, logge
     for secret in KEYS:
         for where, text in (("Redis", stored), ("the AOF", aof), ("the logs", logs)):
             assert secret.encode() not in text, f"a key is in {where}"
+
+
+def test_tenants_are_the_keys_and_a_spent_quota_says_when_to_retry(cluster):
+    tenants = call(
+        cluster,
+        lambda c: c.admin.Tenants(
+            pb.TenantsRequest(set=[pb.TenantPolicy(name="acme", tokens_per_minute=60)]),
+            timeout=30,
+            metadata=c.metadata,
+        ),
+    )
+    assert code_of(lambda: tenants(ACME)) is grpc.StatusCode.PERMISSION_DENIED  # admin only
+    reply = tenants(ADMIN)
+    acme = next(t for t in reply.tenants if t.policy.name == "acme")
+    assert acme.policy.tokens_per_minute == 60 and acme.quota_left == pytest.approx(60, abs=1)
+    # acme spends its minute (prompt and output counted), naming another tenant in vain.
+    msg = pb.GenerateRequest(prompt="Count to ten.", tenant="globex", sampling=LONG)
+    msg.sampling.max_tokens = 64
+    assert call(cluster, lambda c: c.generate(msg, timeout_s=120))(ACME).status == "OK"
+
+    async def refused(c):
+        try:
+            await c.gen.Generate(msg, timeout=30, metadata=c.metadata).read()
+        except grpc.aio.AioRpcError as e:
+            return e.code(), dict(e.trailing_metadata() or ()), e.details()
+        return None
+
+    code, meta, details = call(cluster, refused)(ACME)
+    assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and "tokens_per_minute" in details
+    assert 1 <= int(meta["retry-after"]) <= 120
+    r = httpx.post(
+        f"http://127.0.0.1:{cluster.cluster.http_port}/v1/completions",
+        json={"prompt": "Hi", "max_tokens": 4},
+        headers={"Authorization": f"Bearer {ACME}"},
+        timeout=60,
+    )
+    assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+    # Another tenant is not held back by acme's quota.
+    assert call(cluster, lambda c: c.generate(msg, timeout_s=120))(GLOBEX).status == "OK"
+    status = call(cluster, lambda c: c.status())(ADMIN)
+    shown = {t.policy.name: t for t in status.tenants}
+    assert shown["acme"].quota_left < 0 and shown["acme"].policy.tokens_per_minute == 60
+    lift = pb.TenantsRequest(set=[pb.TenantPolicy(name="acme", tokens_per_minute=0)])
+    call(cluster, lambda c: c.admin.Tenants(lift, timeout=30, metadata=c.metadata))(ADMIN)
+    assert call(cluster, lambda c: c.generate(msg, timeout_s=120))(ACME).status == "OK"
