@@ -9,11 +9,13 @@ Scenarios (each prints a table; all go to one JSON, and one PNG beside it):
   share. B's TTFT and TPOT p90 alone, then with A flooding under fair share (the router's
   and the engines'), and under FCFS (both off), each on a cluster of its own config; with A
   flooding, B's requests carry a TPOT target (tpot_slo_ms) of 1.3x its TPOT alone. Both
-  clusters run decode-first (engine.prefill_share 0.25).
+  clusters run decode-first (engine.prefill_share 0.25); a third, fair but prefill-first
+  (prefill_share 1), shows what decode-first is worth.
 - weights: three tenants of weights 1:2:4, all saturating: each one's share of the output
   tokens over a window where all are busy, against its weight's share.
-- starvation: under SJF, one long request among a stream of short ones that never lets up:
-  its wait for a first token without a max wait, and with router.admission_max_wait_s.
+- starvation: one long request among a stream of short ones that never lets up: its wait
+  for a first token under SJF without and with router.admission_max_wait_s, and under
+  priority (it the least urgent) without and with admission_aging_per_s.
 - sjf: a heavy-tailed workload (output length set by the kind of request, one kind per
   tenant, ended by EOS): completion time (arrival to last token) under FCFS, SJF by prompt
   length, SJF by predicted length (the router's predictor, learned online) and SJF by the
@@ -47,7 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, log, print_table  # noqa: E402
+from benchmarks.common import RESULTS, ROOT, log, print_table  # noqa: E402
 from benchmarks.make_workloads import STYLES, TOPICS  # noqa: E402
 
 SCENARIOS = ("noisy", "weights", "starvation", "sjf", "slo")
@@ -267,9 +269,12 @@ async def noisy(scale: float) -> dict:
     async with cluster("noisy-fcfs", fair=False, seats=8, slots=256, prefill_share=0.25) as c:
         log("[noisy] B with A flooding, FCFS")
         out["fcfs"] = summary(await run_jobs(c.address, flood, b_done))
+    async with cluster("noisy-prefill-first", fair=True, seats=8, slots=256) as c:
+        log("[noisy] B with A flooding, fair share, prefill-first (prefill_share 1)")
+        out["fair_prefill_first"] = summary(await run_jobs(c.address, flood, b_done))
     out["b_tpot_slo_ms"] = target
     runs = {k: v for k, v in out.items() if isinstance(v, dict)}
-    for k in ("fair", "fcfs"):
+    for k in ("fair", "fcfs", "fair_prefill_first"):
         for m in ("ttft", "tpot"):
             # Against the better of the two runs alone: the ratio is never flattered.
             alone = min(out["alone"][f"b_{m}_p90_ms"], out["alone_after"][f"b_{m}_p90_ms"])
@@ -341,24 +346,32 @@ async def starvation(c, scale: float) -> dict:
     longest = Job(1.0, "s", long_prompt(rng, 12), 96, kind="longest")
     jobs = sorted([*shorts, longest], key=lambda j: j.at)
     out = {}
-    for name, max_wait in (("sjf", None), ("sjf_max_wait", 5.0)):
-        set_router(c, admission_policy="sjf", admission_fair_share=False,
-                   admission_max_wait_s=max_wait)  # fmt: skip
+    runs = [  # (name, policy, admission_max_wait_s, admission_aging_per_s)
+        ("sjf", "sjf", None, 0.0),
+        ("sjf_max_wait", "sjf", 5.0, 0.0),
+        ("priority", "priority", None, 0.0),  # the long one at priority 10, the rest at 0
+        ("priority_aging", "priority", None, 1.0),  # 1 a second: level with them after 10 s
+    ]
+    for name, policy, max_wait, aging in runs:
+        set_router(c, admission_policy=policy, admission_fair_share=False,
+                   admission_max_wait_s=max_wait, admission_aging_per_s=aging)  # fmt: skip
         log(f"[starvation] {name}: one long request among a stream of short ones")
-        outs = await run_jobs(c.address, jobs)
+        run = [replace(j, priority=10 if j.kind == "longest" else 0) for j in jobs]
+        outs = await run_jobs(c.address, run)
         lo = next(o for o in outs if o.job.kind == "longest")
         out[name] = {
             "max_wait_s": max_wait,
+            "aging_per_s": aging,
             "longest_wait_ms": ms(lo.ttft_s) if lo.ttft_s is not None else None,
             "short_ttft_p90_ms": ms(pct([o.ttft_s for o in outs if o.job.kind == "short"], 90)),
             "stream_s": span,
         }
-    set_router(c, admission_max_wait_s=None)
-    print("\nstarvation: SJF, one long request among short ones that never let up")
+    set_router(c, admission_max_wait_s=None, admission_aging_per_s=0.0)
+    print("\nstarvation: one long request among short ones that never let up")
     print_table(
-        ["run", "max_wait_s", "longest's wait (ms)", "shorts' TTFT p90 (ms)"],
+        ["run", "max_wait_s", "aging/s", "longest's wait (ms)", "shorts' TTFT p90 (ms)"],
         [
-            [k, v["max_wait_s"], v["longest_wait_ms"], v["short_ttft_p90_ms"]]
+            [k, v["max_wait_s"], v["aging_per_s"], v["longest_wait_ms"], v["short_ttft_p90_ms"]]
             for k, v in out.items()
         ],
     )
@@ -381,6 +394,37 @@ def heavy_tailed_jobs(rng: random.Random, n: int, rate: float) -> list[Job]:
         prompt = kinds[tenant].format(t=rng.choice(TOPICS))
         jobs.append(Job(t, tenant, prompt, 320, ignore_eos=False, kind=tenant))
     return jobs
+
+
+def predictor_on_workloads(tokenizer) -> dict:
+    """The output-length predictor replayed over the project's workloads
+    (benchmarks/workloads/*.jsonl: ignore_eos, so each output is its max_tokens), each
+    request predicted and then observed in turn, its kind as its tenant: once with
+    max_tokens as given, once with it hidden (every request asking for 1,024), which leaves
+    the tenant and the prompt's length to predict from. No cluster: nothing is timed."""
+    from router.predictor import LengthPredictor
+
+    out = {}
+    for path in sorted((ROOT / "benchmarks" / "workloads").glob("*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if r.get("ignore_eos") and "prompt" in r]
+        for hidden in (False, True):
+            p, errors = LengthPredictor(), []
+            for r in rows:
+                tenant, n = r.get("kind", "default"), len(tokenizer.encode_chat(r["prompt"]))
+                cap = 1024 if hidden else r["max_tokens"]
+                guess = p.predict(tenant, n, cap)
+                errors.append(abs(guess - r["max_tokens"]))
+                p.observe(tenant, n, cap, guess, r["max_tokens"])
+            tail = errors[len(errors) // 4 :]  # past the first quarter: once it has learned
+            mean = statistics.fmean(r["max_tokens"] for r in rows)
+            out[f"{path.stem}{'_max_tokens_hidden' if hidden else ''}"] = {
+                "requests": len(rows),
+                "mean_output_tokens": round(mean, 1),
+                "mae_tokens": round(statistics.fmean(errors), 1),
+                "mae_tokens_after_first_quarter": round(statistics.fmean(tail), 1),
+            }
+    return out
 
 
 def completion_summary(outs) -> dict:
@@ -585,6 +629,14 @@ async def amain(args) -> dict:
             if "sjf" in chosen:
                 tokenizer = Tokenizer(resolve_model(None))
                 results["sjf"] = await sjf(c, args.scale, tokenizer)
+                results["sjf"]["predictor_on_workloads"] = predictor_on_workloads(tokenizer)
+                print("\noutput-length predictor over the project's workloads (tokens)")
+                print_table(
+                    ["workload", "requests", "mean output", "MAE", "MAE after 1/4"],
+                    [[k, v["requests"], v["mean_output_tokens"], v["mae_tokens"],
+                      v["mae_tokens_after_first_quarter"]]
+                     for k, v in results["sjf"]["predictor_on_workloads"].items()],
+                )  # fmt: skip
             if "slo" in chosen:
                 results["slo"] = await slo(c, args.scale)
     results["seconds"] = round(time.perf_counter() - t0, 1)

@@ -37,6 +37,9 @@ from workers.engine.policy import OUTPUT_COST
 from workers.messages import Status
 
 PROMPT_COST = 1.0  # and an output token OUTPUT_COST: a decode step's token costs more
+# Counts kept for tenants with nothing here: past this many, they are forgotten (a router
+# without keys takes whatever tenant a request names; its table must not grow for ever).
+MAX_IDLE_COUNTS = 4096
 
 
 @dataclass(eq=False)
@@ -141,6 +144,9 @@ class FairQueue:
             del self.running[t.tenant]
         self.hold_s.add(t.predicted_tokens, self.clock() - t.granted_at)
         t.granted_at = None
+        if len(self.counters) > MAX_IDLE_COUNTS:
+            active = self.active()
+            self.counters = {k: v for k, v in self.counters.items() if k in active}
         self._wake()
 
     def served(self, tenant: str, output_tokens: int) -> None:

@@ -254,3 +254,20 @@ def test_tenants_config_names_the_bad_field_and_changes_at_run_time():
     with pytest.raises(ValueError, match="max_concurrency"):
         table.update("gold", max_concurrency=-1)
     assert table.names() == ["gold"]
+
+
+def test_counts_of_idle_tenants_do_not_grow_without_bound():
+    from router.fair import MAX_IDLE_COUNTS
+
+    async def go():
+        q = queue(2)
+        held = Ticket("busy")
+        await q.acquire(held)
+        for i in range(MAX_IDLE_COUNTS + 50):  # a router without keys: any name comes
+            t = Ticket(f"t{i}", prompt_tokens=3)
+            await q.acquire(t)
+            q.release(t)
+        return len(q.counters), "busy" in q.counters
+
+    n, kept = asyncio.run(go())
+    assert n <= MAX_IDLE_COUNTS and kept  # the active tenant's count is never dropped

@@ -23,6 +23,7 @@ from collections import Counter
 from workers.engine.request import Request
 
 OUTPUT_COST = 2.0  # a decode step's token against a batched prompt token (router/fair.py)
+MAX_IDLE_COUNTS = 4096  # counts of tenants with nothing here kept at most (router/fair.py)
 
 
 class SchedulingPolicy(ABC):
@@ -136,6 +137,7 @@ class FairShare(SchedulingPolicy):
         self.counters: dict[str, float] = {}
         self._waiting: Counter[str] = Counter()  # waiting requests, by tenant
         self._waits: set[str] = set()  # the ids counted there
+        self._here: Counter[str] = Counter()  # requests here, by tenant
         self._last_left = 0.0  # the count of the tenant last admitted, at its admission
 
     def register(self, req: Request) -> None:
@@ -146,9 +148,11 @@ class FairShare(SchedulingPolicy):
             floor = min(waiting) if waiting else self._last_left
             self.counters[t] = max(self.counters.get(t, 0.0), floor)
         self._wait(req)
+        self._here[t] += 1
 
     def inherit(self, child: Request, parent: Request) -> None:
         self.inner.inherit(child, parent)  # a forked choice runs at once: it never waits
+        self._here[child.tenancy.tenant] += 1
 
     def admitted(self, req: Request) -> None:
         self._unwait(req)
@@ -160,6 +164,12 @@ class FairShare(SchedulingPolicy):
     def forget(self, req: Request) -> None:
         self.inner.forget(req)
         self._unwait(req)
+        t = req.tenancy.tenant
+        self._here[t] -= 1
+        if self._here[t] <= 0:
+            del self._here[t]
+        if len(self.counters) > MAX_IDLE_COUNTS:
+            self.counters = {k: v for k, v in self.counters.items() if k in self._here}
 
     def _wait(self, req: Request) -> None:
         if req.request_id not in self._waits:
