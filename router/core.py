@@ -16,6 +16,7 @@ is cancelled, the request is cancelled on its workers and its blocks are freed a
 from __future__ import annotations
 
 import asyncio
+import logging
 import statistics
 import uuid
 from collections.abc import AsyncIterator
@@ -36,6 +37,8 @@ from router.stream import Chunk, RequestStream, follow_all
 from router.validation import Admission
 from workers.engine.request import choice_id, choice_index
 from workers.messages import Pool, RequestSpec, Status, TokenEvent
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -124,11 +127,18 @@ class Router:
             d.abandon()
 
     async def stop(self) -> None:
-        """Stop. The requests still running here are cancelled, unless `leave` came first."""
+        """Stop. The requests still running here are cancelled, unless `leave` came first:
+        on their workers, and in the store before its writer stops (a record left running
+        would be adopted, and the request replayed for nobody, by the next router of this
+        Redis). Both bounded: a worker or a store that does not answer is not waited for."""
         if not self._leaving:
-            for d in list(self._drivers.values()):
-                if d.task is not None:
-                    d.task.cancel()
+            tasks = [d.task for d in self._drivers.values() if d.task is not None]
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=5)
+            if not await self.records.flush(5):
+                log.warning("stopping with %d request store writes not made", self.records.pending)
         self.fleet.stop()
         for t in self._tasks:
             t.cancel()

@@ -144,6 +144,15 @@ class Records:
                 e,
             )
 
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait, at most timeout_s, until every queued write has reached the store (the
+        writer task sends them); False if some have not (the store is away, or slow)."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue and self.down_since is None and time.monotonic() < deadline:
+            self._wake.set()
+            await asyncio.sleep(0.02)
+        return not self._queue
+
     # -- background -------------------------------------------------------------------------
     async def write_forever(self) -> None:
         while True:

@@ -181,3 +181,31 @@ def test_tandem_tenants_set_builds_its_request_and_names_bad_fields():
                      ("weight=none", "only max_wait_s")):  # fmt: skip
         with pytest.raises(ValueError, match=why):
             tenant_request([("gold", bad)])
+
+
+def test_records_flush_waits_for_queued_writes_and_gives_up_in_time():
+    from router.records import Records
+
+    class Store:
+        where = "fake"
+
+        def __init__(self, delay_s: float) -> None:
+            self.delay_s, self.done = delay_s, []
+
+        async def put(self, what: str) -> None:
+            await asyncio.sleep(self.delay_s)
+            self.done.append(what)
+
+    async def go(delay_s: float, timeout_s: float):
+        store = Store(delay_s)
+        records = Records(store, timeout_s=60)
+        writer = asyncio.get_running_loop().create_task(records.write_forever())
+        for i in range(3):
+            records.write(f"w{i}", lambda i=i: store.put(f"w{i}"))
+        flushed = await records.flush(timeout_s)
+        writer.cancel()
+        return flushed, store.done
+
+    assert asyncio.run(go(0.02, 5)) == (True, ["w0", "w1", "w2"])
+    flushed, done = asyncio.run(go(10, 0.2))  # a store that does not answer: not waited for
+    assert not flushed and done == []
