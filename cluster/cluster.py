@@ -54,14 +54,24 @@ def init_ray(cfg: ClusterConfig, progress) -> bool:
     more = {}
     if cfg.metrics_export_port is not None:
         more["_metrics_export_port"] = cfg.metrics_export_port
-    ray.init(
-        num_cpus=cpus,
-        include_dashboard=cfg.dashboard,
-        namespace=NAMESPACE,
-        runtime_env=env,
-        **more,
-    )
-    return True
+    for attempt in (1, 2):
+        try:
+            ray.init(
+                num_cpus=cpus,
+                include_dashboard=cfg.dashboard,
+                namespace=NAMESPACE,
+                runtime_env=env,
+                **more,
+            )
+            return True
+        except RuntimeError as e:
+            # On a loaded machine Ray's GCS may not write its port file in time; its head is
+            # then half started. A second start, after a clean shutdown, usually succeeds.
+            if attempt == 2 or "Timed out waiting for file" not in str(e):
+                raise
+            progress(f"Ray's head did not start in time ({e}); starting it once more")
+            ray.shutdown()
+    raise AssertionError("unreachable")
 
 
 def _use_ray_token(address: str) -> None:
