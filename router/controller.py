@@ -33,6 +33,7 @@ class Controller:
         self.leader_address: str | None = None
         self._heal: asyncio.Task | None = None
         self._task: asyncio.Task | None = None
+        self._stopped = False
         self._malformed: set[str] = set()  # records that do not parse: skipped, logged once
 
     def start(self) -> None:
@@ -40,15 +41,22 @@ class Controller:
         self._task = asyncio.get_running_loop().create_task(self.run_forever())
 
     async def stop(self) -> None:
+        self._stopped = True
+        for task in (self._task, self._heal):
+            if task is not None:
+                task.cancel()
         if self._task is not None:
-            self._task.cancel()
             await asyncio.wait([self._task], timeout=5)
 
     async def run_forever(self) -> None:
-        while True:
+        while not self._stopped:
             try:
                 await self.tick()
             except Exception:
+                # A store client may turn the cancellation of a call into its own error: a
+                # stopped controller must not take that for a failed round and go on.
+                if self._stopped or asyncio.current_task().cancelling():
+                    raise asyncio.CancelledError from None
                 log.exception("controller round failed")
             await asyncio.sleep(self.interval_s)
 

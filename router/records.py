@@ -174,7 +174,9 @@ class Records:
             await asyncio.sleep(interval_s)
             try:
                 await self.check()
-            except Exception:  # keep watching whatever happened
+            except Exception:  # keep watching whatever happened, unless stopped meanwhile
+                if asyncio.current_task().cancelling():
+                    raise asyncio.CancelledError from None
                 log.exception("request store check failed")
 
     async def check(self) -> None:

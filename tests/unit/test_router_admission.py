@@ -209,3 +209,28 @@ def test_records_flush_waits_for_queued_writes_and_gives_up_in_time():
     assert asyncio.run(go(0.02, 5)) == (True, ["w0", "w1", "w2"])
     flushed, done = asyncio.run(go(10, 0.2))  # a store that does not answer: not waited for
     assert not flushed and done == []
+
+
+def test_a_stopped_controller_stops_though_its_store_client_swallows_the_cancel():
+    from router.controller import Controller
+
+    class Swallowing(Controller):
+        rounds = 0
+
+        async def tick(self) -> None:
+            Swallowing.rounds += 1
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:  # as a store client that turns it into its own
+                raise ConnectionError("connection closed") from None
+
+    async def go():
+        c = Swallowing(router=None, address="x:1", interval_s=0.01)
+        c.start()
+        await asyncio.sleep(0.05)
+        await c.stop()
+        await asyncio.sleep(0.1)
+        return c._task.done(), Swallowing.rounds
+
+    done, rounds = asyncio.run(go())
+    assert done and rounds == 1
