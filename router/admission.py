@@ -51,6 +51,19 @@ class AdmissionControl:
         q = self.slots
         q.policy, q.fair_share = c.admission_policy, c.admission_fair_share
         q.aging_per_s, q.max_wait_s = c.admission_aging_per_s, c.admission_max_wait_s
+        q.recheck()
+
+    def update(self, changes: dict[str, dict]) -> None:
+        """Change tenants' policies ({tenant: {field: value}}), all or none (ValueError
+        naming the field), then let the waiting requests see them."""
+        before = self.tenants.config
+        try:
+            for tenant, fields in changes.items():
+                self.tenants.update(tenant, **fields)
+        except ValueError:
+            self.tenants.config = before
+            raise
+        self.slots.recheck()
 
     def ticket(self, adm: Admission) -> tuple[Ticket, RequestSpec]:
         """The request's place in the queue, and its spec with its tenancy: its tenant's
@@ -122,7 +135,10 @@ class AdmissionControl:
     def tenancy(self, tenant: str) -> Tenancy:
         """A tenant's tenancy with no prediction or target (a request adopted from its
         record, which keeps neither)."""
-        pol = self.tenants.policy(tenant or DEFAULT)
+        try:
+            pol = self.tenants.policy(tenant or DEFAULT)
+        except ValueError:  # a record from before tenant names were checked
+            pol = self.tenants.policy(DEFAULT)
         return Tenancy(pol.name, pol.weight, pol.tier)
 
     def states(self) -> list[TenantState]:

@@ -171,8 +171,9 @@ class Router:
         self.metrics.queue(self._queue_depth, len(self._drivers))
         try:
             await self.admission.acquire(ticket)
-        except RouterError:
-            self.metrics.refused(timer.tenant_tags, "late")
+        except RouterError as e:
+            if e.status is Status.RESOURCE_EXHAUSTED:  # reject_if_late, while it waited
+                self.metrics.refused(timer.tenant_tags, "late")
             raise
         finally:
             self._queue_depth -= 1

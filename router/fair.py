@@ -113,9 +113,9 @@ class FairQueue:
         self.check(t)
         pol = self.tenants.policy(t.tenant)
         t.arrival, t.seq = self.clock(), next(self._seq)
+        self._lift(t.tenant)
         if t.reject_if_late:
             self._refuse_if_late(t, self.start_estimate(t))
-        self._lift(t.tenant)
         if not self._waiting and self._fits(t, pol):
             self._grant(t)
             return
@@ -134,6 +134,19 @@ class FairQueue:
                 self._leave(t)
                 self._wake()  # a large waiter leaving may let smaller ones behind it in
             raise
+
+    def recheck(self) -> None:
+        """After a change of the tenants or the order: refuse the waiters that can never run
+        now (a cap lowered below their choices), and hand out what the change allows."""
+        for t in list(self._waiting):
+            if t._fut is None or t._fut.done():
+                continue
+            try:
+                self.check(t)
+            except RouterError as e:
+                self._leave(t)
+                t._fut.set_exception(e)
+        self._wake()
 
     def release(self, t: Ticket) -> None:
         if t.granted_at is None:
@@ -210,6 +223,10 @@ class FairQueue:
         return not pol.max_concurrency or self.running[t.tenant] + t.n <= pol.max_concurrency
 
     def _wake(self) -> None:
+        # A waiter cancelled (its future too) leaves on a later turn of the loop: never
+        # grant it meanwhile, or its slots would be lost.
+        for w in [w for w in self._waiting if w._fut is None or w._fut.done()]:
+            self._leave(w)
         while self._waiting:
             now = self.clock()
             policies = {w.tenant: self._policy(w) for w in self._waiting}

@@ -251,13 +251,15 @@ class AdminService(pb_grpc.AdminServicer):
         try:
             _reject_malformed(request)
             admission = self.router.admission
-            table = admission.tenants
+            changes: dict[str, dict] = {}
             for p in request.set:
-                try:
-                    table.update(p.name, **convert.tenant_changes(p))
-                except ValueError as e:
-                    raise RouterError(Status.INVALID_ARGUMENT, str(e)) from None
-                log.warning("tenant %s changed: %s", p.name, table.policy(p.name))
+                changes.setdefault(p.name, {}).update(convert.tenant_changes(p))
+            try:
+                admission.update(changes)  # all or none
+            except ValueError as e:
+                raise RouterError(Status.INVALID_ARGUMENT, str(e)) from None
+            for name in changes:
+                log.warning("tenant %s changed: %s", name, admission.tenants.policy(name))
             error = admission.predictor.mean_abs_error
             return pb.TenantsResponse(
                 tenants=[convert.tenant_state(t) for t in admission.states()],

@@ -153,6 +153,8 @@ def validate(msg: pb.GenerateRequest, tokenizer, max_model_len: int, vocab_size:
                 raise InvalidRequest(f"{name}={value}: must be in (0, {MAX_SLO_MS:.0f}] ms")
             slo[name] = decimal_of_float32(value)
     late, tenant = msg.reject_if_late, msg.tenant
+    if tenant and not _ID.match(tenant):
+        raise InvalidRequest("tenant: use 1-64 characters from letters, digits and . _ -")
     return Admission(rid, tuple(ids), sampling, msg.priority, tenant, **slo, reject_if_late=late)
 
 

@@ -271,3 +271,42 @@ def test_counts_of_idle_tenants_do_not_grow_without_bound():
 
     n, kept = asyncio.run(go())
     assert n <= MAX_IDLE_COUNTS and kept  # the active tenant's count is never dropped
+
+
+def test_a_waiter_cancelled_in_the_same_turn_as_a_release_takes_nothing():
+    async def go():
+        q = queue(2)
+        held = Ticket("a", 2)
+        await q.acquire(held)
+        waiters = [Ticket("b"), Ticket("c")]
+        tasks = [asyncio.create_task(q.acquire(t)) for t in waiters]
+        await asyncio.sleep(0)
+        tasks[0].cancel()  # its future is cancelled now, its handler runs later
+        q.release(held)  # in the same turn: must not grant the cancelled one
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return q.free, dict(q.running), q.depth
+
+    assert asyncio.run(go()) == (1, {"c": 1}, 0)
+
+
+def test_a_cap_lowered_below_a_waiters_choices_refuses_it_and_changes_are_all_or_none():
+    from router.admission import AdmissionControl
+    from router.config import RouterConfig
+    from router.metrics import RouterMetrics
+
+    async def go():
+        adm = AdmissionControl(RouterConfig(max_in_flight=4), RouterMetrics("t"))
+        await adm.slots.acquire(held := Ticket("a", 4))
+        wide = Ticket("a", 3)
+        task = asyncio.create_task(adm.slots.acquire(wide))
+        await asyncio.sleep(0)
+        with pytest.raises(ValueError, match="weight"):
+            adm.update({"a": {"tier": 0}, "b": {"weight": -1}})
+        assert adm.tenants.policy("a").tier == 1  # the first change was undone
+        adm.update({"a": {"max_concurrency": 2}})
+        with pytest.raises(RouterError, match="max_concurrency") as e:
+            await task
+        adm.release(held)
+        return e.value.status, adm.slots.free
+
+    assert asyncio.run(go()) == (Status.INVALID_ARGUMENT, 4)

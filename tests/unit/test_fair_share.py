@@ -183,3 +183,15 @@ def test_the_engine_forgets_counts_of_tenants_long_gone():
         s.finish_request(f"r{i}", RequestStatus.FINISHED_CANCELLED)
     counters = s.policy.counters
     assert len(counters) <= MAX_IDLE_COUNTS and "stay" in counters
+
+
+def test_keys_do_not_move_while_a_step_is_built():
+    s = make_scheduler(max_num_seqs=4)
+    add(s, "a1", A, max_tokens=8)
+    add(s, "b1", B, max_tokens=8)
+    policy = s.policy
+    before = {r: policy.key(s.requests[r]) for r in ("a1", "b1")}
+    policy.served(s.requests["a1"], 50, decode=True)  # as _emit does, mid-step
+    assert {r: policy.key(s.requests[r]) for r in ("a1", "b1")} == before
+    policy.end_step()
+    assert policy.key(s.requests["a1"]) > before["a1"]

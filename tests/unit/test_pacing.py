@@ -264,3 +264,18 @@ def test_a_requests_own_tpot_target_holds_back_decodes_without_one():
         s2.add_request(make_request(f"r{i}", 4, 200))
     step_for(s2, clock, 0.03)
     assert len(step_for(s2, clock, 0.02).decodes) == 8
+
+
+def test_a_target_out_of_reach_holds_nobody_back():
+    from workers.engine.request import Tenancy
+
+    clock = Clock()
+    s = make_scheduler(num_blocks=4096, block_size=4, max_num_batched_tokens=256)
+    s.clock = clock
+    teach(s, decode_s=0.010, per_decode_s=0.002)
+    for i in range(6):
+        s.add_request(make_request(f"bulk{i}", 4, 200, tenancy=Tenancy("a")))
+    # 0.01 ms: no batch can make it, so holding the others back would only cost them.
+    s.add_request(make_request("greedy", 4, 200, tenancy=Tenancy("b", tpot_slo_ms=0.01)))
+    step_for(s, clock, 0.03)
+    assert len(step_for(s, clock, 0.02).decodes) == 7

@@ -234,3 +234,12 @@ def test_a_stopped_controller_stops_though_its_store_client_swallows_the_cancel(
 
     done, rounds = asyncio.run(go())
     assert done and rounds == 1
+
+
+def test_a_tenant_name_outside_the_id_alphabet_is_refused():
+    from router.api import tandem_pb2 as pb
+    from router.validation import InvalidRequest, validate
+
+    msg = pb.GenerateRequest(prompt_ids=[1, 2], tenant="acme corp")
+    with pytest.raises(InvalidRequest, match="tenant"):
+        validate(msg, None, 64, 100)

@@ -159,6 +159,8 @@ class DecodePacer:
         tight = DECODE_HEADROOM * min(targets)
         if self.model.decode_seconds(len(decoding)) <= tight:
             return None
+        if self.model.decode_seconds(len(targets)) > tight:
+            return None  # out of reach whatever others do: holding them back would not help
         size = len(targets)
         while size < len(decoding) and self.model.decode_seconds(size + 1) <= tight:
             size += 1

@@ -55,6 +55,10 @@ class SchedulingPolicy(ABC):
     def preempted(self, req: Request) -> None:
         """req went back to the waiting queue."""
 
+    def end_step(self) -> None:
+        """The step is scheduled: what it served may now move keys (never while the step is
+        built, when a request already in it could be taken for the last and preempted)."""
+
     def seat_for(
         self, waiting: Request, running: list[Request], seats: int, given: list[Request]
     ) -> Request | None:
@@ -135,6 +139,7 @@ class FairShare(SchedulingPolicy):
         self.inner, self.fair, self.max_wait_s = inner, fair, max_wait_s
         self.admits_ahead = inner.admits_ahead
         self.counters: dict[str, float] = {}
+        self._step: dict[str, float] = {}  # this step's charges, applied at its end
         self._waiting: Counter[str] = Counter()  # waiting requests, by tenant
         self._waits: set[str] = set()  # the ids counted there
         self._here: Counter[str] = Counter()  # requests here, by tenant
@@ -184,7 +189,12 @@ class FairShare(SchedulingPolicy):
     def served(self, req: Request, tokens: int, decode: bool) -> None:
         t = req.tenancy
         cost = OUTPUT_COST * tokens if decode else float(tokens)
-        self.counters[t.tenant] = self.counters.get(t.tenant, 0.0) + cost / t.weight
+        self._step[t.tenant] = self._step.get(t.tenant, 0.0) + cost / t.weight
+
+    def end_step(self) -> None:
+        for tenant, cost in self._step.items():
+            self.counters[tenant] = self.counters.get(tenant, 0.0) + cost
+        self._step.clear()
 
     def seat_for(
         self, waiting: Request, running: list[Request], seats: int, given: list[Request]

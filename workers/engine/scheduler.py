@@ -175,6 +175,8 @@ class Scheduler:
         # Sorted once a step: admissions only pop from it, and a preemption (which appends)
         # ends admission for the step.
         self.waiting.sort(key=self.policy.key)
+        if admit and self.config.batching == "continuous":
+            self._free_seats()
         decoding = [r for r in self.running if r.is_decoding]
         self._decodes_due = len(decoding)
         self._prompt_allowance = self._decode_cap = None
@@ -187,11 +189,9 @@ class Scheduler:
             self._decode_cap = self.pacer.decode_cap(decoding)
         share = self.config.prefill_share
         if decoding and share < 1:  # decode-first: prompts take at most this share
-            cap = int(share * self.config.max_num_batched_tokens)
+            cap = max(self.pool.block_size, int(share * self.config.max_num_batched_tokens))
             allowed = self._prompt_allowance
             self._prompt_allowance = cap if allowed is None else min(cap, allowed)
-        if admit and self.config.batching == "continuous":
-            self._free_seats()
         budget = self._schedule_running(out, budget, admit and self.policy.admits_ahead)
         for ghost in self.padding:
             if budget <= 0:
@@ -201,6 +201,7 @@ class Scheduler:
         if admit and not out.preempted_ids:  # room was just made by force: admit nothing
             self._schedule_waiting(out, budget)
         out.block_copies = self.kv.take_copies()
+        self.policy.end_step()
         if self.pacer is not None and out.scheduled:
             self._timing = (out, now)
         return out
@@ -280,6 +281,7 @@ class Scheduler:
             self._held_back.pop(req.request_id, None)
             return False
         self._held_back.setdefault(req.request_id, now)
+        self._decodes_due = max(0, self._decodes_due - 1)  # its budget goes to others
         return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, before=None) -> int:
