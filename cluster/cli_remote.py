@@ -167,18 +167,10 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     return asyncio.run(_tenants(args))
 
 
-TENANT_FIELDS = {
-    "weight": float,
-    "max_concurrency": int,
-    "tokens_per_minute": float,
-    "tier": int,
-    "max_wait_s": float,
-}
-
-
 def tenant_request(sets: list[tuple[str, str]]):
     """A TenantsRequest from --set TENANT FIELD=VALUE,... pairs ('none' unsets max_wait_s)."""
     from router.api import tandem_pb2 as pb
+    from router.tenants import POLICY_TYPES as TENANT_FIELDS
 
     request = pb.TenantsRequest()
     for name, fields in sets:

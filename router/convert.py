@@ -51,11 +51,9 @@ def tenant_policy(t: Tenant) -> pb.TenantPolicy:
 
 def tenant_changes(p: pb.TenantPolicy) -> dict:
     """The fields a TenantsRequest sets (max_wait_s 0: unset, back to the router's)."""
-    changes = {
-        name: getattr(p, name)
-        for name in ("weight", "max_concurrency", "tokens_per_minute", "tier", "max_wait_s")
-        if p.HasField(name)
-    }
+    from router.tenants import POLICY_FIELDS
+
+    changes = {name: getattr(p, name) for name in POLICY_FIELDS if p.HasField(name)}
     if changes.get("max_wait_s") == 0:
         changes["max_wait_s"] = None
     return changes

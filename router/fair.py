@@ -177,7 +177,9 @@ class FairQueue:
         beyond the free ones, freed at the rate slots have been freed."""
         now = self.clock()
         mine = self._key(t, now, self.tenants.policy(t.tenant))
-        ahead = sum(w.n for w in self._waiting if self._key(w, now, self._policy(w)) < mine)
+        ahead = sum(
+            w.n for w in self._waiting if self._key(w, now, self.tenants.policy(w.tenant)) < mine
+        )
         need = ahead + t.n - self.free
         return 0.0 if need <= 0 else need * self.hold_s(t.predicted_tokens) / self.total
 
@@ -193,9 +195,6 @@ class FairQueue:
         return set(self.running) | {t.tenant for t in self._waiting}
 
     # -- internals --------------------------------------------------------------------------
-    def _policy(self, t: Ticket) -> Tenant:
-        return self.tenants.policy(t.tenant)
-
     def _key(self, t: Ticket, now: float, pol: Tenant) -> tuple:
         cap = pol.max_wait_s if pol.max_wait_s is not None else self.max_wait_s
         waited = now - t.arrival
@@ -229,7 +228,7 @@ class FairQueue:
             self._leave(w)
         while self._waiting:
             now = self.clock()
-            policies = {w.tenant: self._policy(w) for w in self._waiting}
+            policies = {w.tenant: self.tenants.policy(w.tenant) for w in self._waiting}
             open_ = [w for w in self._waiting if self._under_cap(w, policies[w.tenant])]
             if not open_:
                 return
@@ -254,9 +253,9 @@ class FairQueue:
 
     def _lift(self, tenant: str) -> None:
         """A tenant that starts waiting again starts at the least count of the active ones."""
-        if self.running[tenant] or any(w.tenant == tenant for w in self._waiting):
+        active = self.active()
+        if tenant in active:
             return
-        active = {w.tenant for w in self._waiting} | {k for k, v in self.running.items() if v}
         floor = min((self.counters.get(a, 0.0) for a in active), default=None)
         if floor is not None:
             self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field, fields, replace
 
 DEFAULT = "default"
+MAX_CACHED = 4096  # tenants whose policy or quota bucket is kept at once
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 # The SLO defaults are per tier: their mappings are keyed by the tier's number.
 TIER_FIELDS = ("tier_ttft_slo_ms", "tier_tpot_slo_ms")
@@ -61,7 +62,16 @@ class Tenant:
             raise bad("max_wait_s", "must be positive (or unset)")
 
 
-POLICY_FIELDS = tuple(f.name for f in fields(Tenant) if f.name != "name")
+# Each policy field and the type its values take (from a config mapping, a flag, the CLI).
+POLICY_TYPES: dict[str, type] = {
+    "weight": float,
+    "max_concurrency": int,
+    "tokens_per_minute": float,
+    "tier": int,
+    "max_wait_s": float,
+}
+POLICY_FIELDS = tuple(POLICY_TYPES)
+assert POLICY_FIELDS == tuple(f.name for f in fields(Tenant) if f.name != "name")
 
 
 @dataclass(frozen=True)
@@ -113,7 +123,7 @@ class TenantsConfig:
             table = getattr(self, name)
             value = table.get(tenant, table.get(DEFAULT))
             if value is not None:
-                values[name] = int(value) if name in ("max_concurrency", "tier") else value
+                values[name] = POLICY_TYPES[name](value)
         return Tenant(tenant, **values)
 
     def slo_ms(self, tier: int) -> tuple[float | None, float | None]:
@@ -150,15 +160,30 @@ class TokenBucket:
 
 
 class TenantTable:
-    """The tenants' running policies and rate quotas."""
+    """The tenants' running policies and rate quotas. A policy is looked up for every chunk
+    a tenant is served: each is built once per config, not at every lookup."""
 
     def __init__(self, config: TenantsConfig | None = None, clock=time.monotonic) -> None:
         self.config = config or TenantsConfig()
         self.clock = clock
         self._buckets: dict[str, TokenBucket] = {}
 
+    @property
+    def config(self) -> TenantsConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: TenantsConfig) -> None:
+        self._config = config
+        self._policies: dict[str, Tenant] = {}
+
     def policy(self, tenant: str) -> Tenant:
-        return self.config.policy(tenant)
+        pol = self._policies.get(tenant)
+        if pol is None:
+            if len(self._policies) >= MAX_CACHED:  # a router without keys: any name comes
+                self._policies.clear()
+            pol = self._policies[tenant] = self._config.policy(tenant)
+        return pol
 
     def names(self) -> list[str]:
         return sorted(self.config.names())
@@ -202,5 +227,9 @@ class TenantTable:
             return None
         bucket = self._buckets.get(tenant)
         if bucket is None or bucket.per_minute != per_minute:
+            if len(self._buckets) >= MAX_CACHED:  # full buckets are as good as new ones
+                self._buckets = {
+                    k: b for k, b in self._buckets.items() if b.wait_s(b.per_minute) > 0
+                }
             bucket = self._buckets[tenant] = TokenBucket(per_minute, self.clock)
         return bucket
