@@ -49,10 +49,14 @@ class TandemEngine:
     def __init__(self, job: dict) -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         from workers.engine.config import EngineConfig
+        from workers.engine.constraint import Constraint
         from workers.engine.engine import LLMEngine
         from workers.engine.request import SamplingParams
 
         self.params = SamplingParams
+        # With a JSON schema (benchmarks/structured.py), every request is constrained by it.
+        schema = job.get("json_schema")
+        self.constraint = Constraint.json_schema(schema) if schema is not None else None
         self.engine = LLMEngine(
             EngineConfig(
                 model=job["model_dir"],
@@ -64,7 +68,12 @@ class TandemEngine:
         )
 
     def add(self, prompt: list[int], max_tokens: int) -> str:
-        sp = self.params(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        sp = self.params(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=self.constraint is None,
+            constraint=self.constraint,
+        )
         return self.engine.add_request(prompt, sp)
 
     def step(self) -> list[tuple[str, int]]:
@@ -96,12 +105,18 @@ class VLLMEngine:
             kv_cache_memory_bytes=2**30,
         )
         self.engine, self.prompt = llm.llm_engine, TokensPrompt
+        schema, guided = job.get("json_schema"), {}
+        if schema is not None:  # its default structured-output backend ("auto")
+            from vllm.sampling_params import StructuredOutputsParams
+
+            guided = {"structured_outputs": StructuredOutputsParams(json=schema)}
         self.params = lambda n: SamplingParams(
             max_tokens=n,
             temperature=0.0,
-            ignore_eos=True,
+            ignore_eos=schema is None,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
+            **guided,
         )
         self.next_id = 0
 

@@ -42,8 +42,19 @@ from router.errors import RouterError
 from router.keys import KeyRing
 from router.stream import Chunk
 from router.tls import ServerTLS
+from router.tools import (
+    CallStream,
+    FieldError,
+    Tools,
+    body_constraint,
+    call_text,
+    parse_calls,
+    read_tools,
+    with_system,
+)
 from router.validation import (
     Admission,
+    GrammarCheck,
     InvalidRequest,
     check_prompt_text,
     message_bytes_limit,
@@ -130,6 +141,7 @@ class OpenAIFront:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.keys = keys
+        self.grammars = GrammarCheck(router.tokenizer, vocab_size)
         self.created = int(time.time())
 
     def app(self) -> web.Application:
@@ -196,22 +208,33 @@ class OpenAIFront:
                 404, f"the model {model!r} does not exist; this serves {self.model_name!r}", "model"
             )
         _refuse_unserved(body)
-        # In a thread: a long prompt's tokenizing must not hold the event loop.
-        ids = await asyncio.to_thread(self._prompt_ids, body, chat)
         try:
-            msg = pb.GenerateRequest(
-                prompt_ids=ids, sampling=self._sampling(body, chat, len(ids)), **_scheduling(body)
-            )
+            if not chat and body.get("tools"):
+                raise FieldError("tools", "served on /v1/chat/completions")
+            tools = read_tools(body) if chat else None
+            constraint = body_constraint(body, tools)
+        except FieldError as e:
+            raise HttpError(400, str(e), e.param) from None
+        # In a thread: a long prompt's tokenizing must not hold the event loop.
+        ids = await asyncio.to_thread(self._prompt_ids, body, chat, tools)
+        try:
+            sampling = self._sampling(body, chat, len(ids))
+            if constraint is not None:
+                sampling.constraint.CopyFrom(constraint)
+            msg = pb.GenerateRequest(prompt_ids=ids, sampling=sampling, **_scheduling(body))
         except ValueError:  # an id past int32
             raise HttpError(400, "prompt: token ids must be in the vocabulary", "prompt") from None
         try:
-            adm = validate(msg, self.tokenizer, self.max_model_len, self.vocab_size)
+            # In a thread: a constraint is compiled here.
+            adm = await asyncio.to_thread(
+                validate, msg, self.tokenizer, self.max_model_len, self.vocab_size, self.grammars
+            )
         except (InvalidRequest, ValueError) as e:
             raise HttpError(400, str(e)) from None
         client_id, tenant = adm.request_id, request.get(TENANT)
         if tenant is not None:  # the key's tenant, never the body's
             adm = replace(adm, request_id=scoped_id(tenant, client_id), tenant=tenant)
-        reply = Reply(self, adm, chat, body, len(ids), client_id)
+        reply = Reply(self, adm, chat, body, len(ids), client_id, tools is not None)
         chunks = self._chunks(adm, body.get("deadline_s"))
         try:
             if body.get("stream"):
@@ -236,9 +259,11 @@ class OpenAIFront:
             for event in reply.opening():
                 await _send(response, event)
             if first is not None:
-                await _send(response, reply.delta(first))
+                for event in reply.delta(first):
+                    await _send(response, event)
                 async for chunk in chunks:
-                    await _send(response, reply.delta(chunk))
+                    for event in reply.delta(chunk):
+                        await _send(response, event)
             if reply.include_usage:
                 await _send(response, reply.usage_event())
         except (RouterError, HttpError) as e:
@@ -279,7 +304,7 @@ class OpenAIFront:
         except InvalidRequest as e:
             raise HttpError(400, str(e), name) from None
 
-    def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
+    def _prompt_ids(self, body: dict, chat: bool, tools: Tools | None = None) -> list[int]:
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
@@ -292,10 +317,14 @@ class OpenAIFront:
             for m in messages:
                 if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
                     raise HttpError(400, "messages: each needs a role and content", "messages")
-                turns.append({"role": m["role"], "content": _content(m.get("content"))})
+                turns.append({"role": m["role"], "content": _turn_text(m)})
             self._check_text("messages", [t["role"] + t["content"] for t in turns])
             try:
-                return self.tokenizer.encode_messages(turns)
+                if tools is None:
+                    return self.tokenizer.encode_messages(turns)
+                if self.tokenizer.takes_tools:
+                    return self.tokenizer.encode_messages(turns, tools=tools.openai_tools())
+                return self.tokenizer.encode_messages(with_system(turns, tools.system_prompt()))
             except Exception as e:  # no template, or the template refuses these roles
                 raise HttpError(400, f"messages: {e}", "messages") from None
         prompt = body.get("prompt")
@@ -361,6 +390,7 @@ class Reply:
         body: dict,
         prompt_tokens: int,
         client_id: str,
+        tools: bool = False,
     ):
         self.front, self.chat = front, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + client_id
@@ -372,7 +402,7 @@ class Reply:
         options = body.get("stream_options") or {}
         self.include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
         self.choices = [
-            _Choice(i, chat, want_logprobs, front.tokenizer) for i in range(adm.sampling.n)
+            _Choice(i, chat, want_logprobs, front.tokenizer, tools) for i in range(adm.sampling.n)
         ]
 
     @property
@@ -412,16 +442,28 @@ class Reply:
             for c in self.choices
         ]
 
-    def delta(self, chunk: Chunk) -> dict:
+    def delta(self, chunk: Chunk) -> list[dict]:
+        """The stream events of one chunk (a tool call's text may make none until it closes)."""
         logprobs = self.add(chunk)
         reason = chunk.finish_reason if chunk.finished else None
         i = chunk.index
+        if self.chat and self.choices[i].calls is not None:  # tools: content or whole calls
+            calls = self.choices[i].calls
+            deltas = calls.feed(chunk.text) + (calls.finish() if chunk.finished else [])
+            if chunk.finished and calls.calls and reason == "stop":
+                reason = "tool_calls"
+            deltas = deltas or [{}]
+            events = [
+                {"index": i, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas
+            ]
+            events[-1].update(logprobs=logprobs, finish_reason=reason)
+            return [self._event(e) for e in events]
         if self.chat:
             delta = {"content": chunk.text} if chunk.text or not chunk.finished else {}
             choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
             choice = {"index": i, "text": chunk.text, "logprobs": logprobs, "finish_reason": reason}
-        return self._event(choice)
+        return [self._event(choice)]
 
     def usage_event(self) -> dict:
         return {**self._head(True), "choices": [], "usage": self.usage}
@@ -436,8 +478,11 @@ class Reply:
 class _Choice:
     """One completion's text, end and logprobs, as its chunks arrive."""
 
-    def __init__(self, index: int, chat: bool, want_logprobs: bool, tokenizer) -> None:
+    def __init__(
+        self, index: int, chat: bool, want_logprobs: bool, tokenizer, tools: bool = False
+    ) -> None:
         self.index, self.chat, self.want_logprobs = index, chat, want_logprobs
+        self.calls = CallStream() if tools else None  # streamed tool calls
         self.tokenizer = tokenizer
         self.completion_tokens = 0
         self.text = ""
@@ -485,11 +530,16 @@ class _Choice:
 
     def whole(self) -> dict:
         if self.chat:
+            message = {"role": "assistant", "content": self.text}
+            calls = parse_calls(self.text) if self.calls is not None else None
+            if calls:
+                message = {"role": "assistant", "content": None, "tool_calls": calls}
+            reason = "tool_calls" if calls and self.finish_reason == "stop" else self.finish_reason
             return {
                 "index": self.index,
-                "message": {"role": "assistant", "content": self.text},
+                "message": message,
                 "logprobs": {"content": self.content} if self.want_logprobs else None,
-                "finish_reason": self.finish_reason,
+                "finish_reason": reason,
             }
         logprobs = None
         if self.want_logprobs:
@@ -512,18 +562,11 @@ class _Choice:
 # JSON object the client waits for would silently not come). Each maps a field to the values
 # that mean "off", which pass.
 _UNSERVED = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "functions": (None, []),
+    "functions": (None, []),  # the older form of tools: send `tools`
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "prompt_logprobs": (None, 0),
 }
 
@@ -576,6 +619,26 @@ def _content(content) -> str:
     if not isinstance(content, str):
         raise HttpError(400, "messages: content must be text or a list of text parts", "messages")
     return _check_unicode(content, "messages")
+
+
+def _turn_text(m: dict) -> str:
+    """A message's text; an assistant's tool calls written as the model writes them, and a
+    tool's result as a tool response."""
+    calls = m.get("tool_calls")
+    if m["role"] == "assistant" and calls:
+        try:
+            return "\n".join(
+                call_text(c["function"]["name"], json.loads(c["function"]["arguments"] or "{}"))
+                for c in calls
+            )
+        except (KeyError, TypeError, ValueError):
+            raise HttpError(
+                400, "messages: a tool call needs function.name and JSON arguments", "messages"
+            ) from None
+    text = _content(m.get("content"))
+    if m["role"] == "tool":
+        return f"<tool_response>\n{text}\n</tool_response>"
+    return text
 
 
 def _check_unicode(text: str, param: str) -> str:

@@ -31,7 +31,7 @@ from router.errors import RouterError
 from router.keys import KeyRing
 from router.tls import ServerTLS
 from router.tls import channel as tls_channel
-from router.validation import InvalidRequest, message_bytes_limit, validate
+from router.validation import GrammarCheck, InvalidRequest, message_bytes_limit, validate
 from workers.messages import Pool, Status
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.keys = keys
+        self.grammars = GrammarCheck(router.tokenizer, vocab_size)
 
     def _tenant(self, context) -> str | None:
         """The caller's tenant, from its key (None: no keys)."""
@@ -150,7 +151,12 @@ class GenerationService(pb_grpc.GenerationServicer):
             try:
                 # In a thread: a long prompt's tokenizing must not hold the event loop.
                 adm = await asyncio.to_thread(
-                    validate, request, self.router.tokenizer, self.max_model_len, self.vocab_size
+                    validate,
+                    request,
+                    self.router.tokenizer,
+                    self.max_model_len,
+                    self.vocab_size,
+                    self.grammars,
                 )
             except (InvalidRequest, ValueError) as e:
                 raise RouterError(Status.INVALID_ARGUMENT, str(e)) from None

@@ -7,10 +7,13 @@ import math
 import random
 import re
 import struct
+import threading
 import uuid
 from dataclasses import dataclass
 
 from router.api import tandem_pb2 as pb
+from workers.engine.constraint import Constraint, ConstraintKind
+from workers.engine.grammar import GrammarCompiler, GrammarError
 from workers.engine.request import SamplingParams
 from workers.messages import RequestSpec
 
@@ -73,7 +76,62 @@ def decimal_of_float32(x: float) -> float:
     return x
 
 
-def validate(msg: pb.GenerateRequest, tokenizer, max_model_len: int, vocab_size: int) -> Admission:
+class GrammarCheck:
+    """Compiles a request's constraint before any worker sees it (a bad one is refused with
+    its problem named), bounded by llguidance's lexer fuel and cached by constraint. The
+    compiler is made with the first constrained request. Thread-safe: `validate` runs off the
+    event loop."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        self._tokenizer, self._vocab_size = tokenizer, vocab_size
+        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self._tokenizer.hf, self._vocab_size)
+            return self._compiler
+
+    def __call__(self, c: Constraint) -> None:
+        try:
+            self.compiler.grammar(c)
+        except GrammarError as e:
+            raise InvalidRequest(f"sampling.{e}") from None
+
+
+def constraint_of(s: pb.SamplingParams) -> Constraint | None:
+    """The proto's constraint, checked for shape and size (not yet compiled)."""
+    if not s.HasField("constraint"):
+        return None
+    c = s.constraint
+    kind = c.WhichOneof("kind")
+    try:
+        if kind is None:
+            raise ValueError(
+                "constraint: set one of json_schema, json_object, regex, choice, grammar"
+            )
+        if kind == "choice":
+            return Constraint(ConstraintKind.CHOICE, choices=tuple(c.choice.values))
+        if kind == "json_object":
+            if not c.json_object:
+                return None
+            return Constraint(ConstraintKind.JSON_OBJECT)
+        return Constraint(ConstraintKind(kind), getattr(c, kind))
+    except ValueError as e:
+        raise InvalidRequest(f"sampling.{e}") from None
+
+
+def validate(
+    msg: pb.GenerateRequest,
+    tokenizer,
+    max_model_len: int,
+    vocab_size: int,
+    grammars: GrammarCheck | None = None,
+) -> Admission:
+    """`grammars` compiles a constrained request's constraint; without it such a request is
+    refused."""
     rid = msg.request_id or uuid.uuid4().hex
     if not _ID.match(rid):
         raise InvalidRequest("request_id: use 1-64 characters from letters, digits and . _ -")
@@ -123,6 +181,11 @@ def validate(msg: pb.GenerateRequest, tokenizer, max_model_len: int, vocab_size:
     # A seed is always fixed here and recorded: a replay then draws exactly the tokens the
     # first attempt would have, whether or not the client chose the seed.
     seed = s.seed if s.HasField("seed") else random.getrandbits(63)
+    constraint = constraint_of(s)
+    if constraint is not None:
+        if grammars is None:
+            raise InvalidRequest("sampling.constraint: this front does not compile constraints")
+        grammars(constraint)
     try:
         sampling = SamplingParams(
             max_tokens=max_tokens,
@@ -142,6 +205,7 @@ def validate(msg: pb.GenerateRequest, tokenizer, max_model_len: int, vocab_size:
             logit_bias={t: decimal_of_float32(b) for t, b in s.logit_bias.items()},
             min_tokens=s.min_tokens,
             n=max(s.n, 1),
+            constraint=constraint,
         )
     except ValueError as e:  # SamplingParams names the field and the rule
         raise InvalidRequest(f"sampling.{e}") from None

@@ -89,7 +89,11 @@ class Phase(str, enum.Enum):
 
 def sampling_to_dict(sp: SamplingParams) -> dict:
     """JSON-ready: for the request record in Redis."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(sp).items()}
+    d = dataclasses.asdict(sp)
+    if sp.constraint is not None:
+        c = sp.constraint
+        d["constraint"] = {"kind": c.kind.value, "text": c.text, "choices": list(c.choices)}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
 
 def sampling_from_dict(d: dict) -> SamplingParams:

@@ -160,17 +160,16 @@ def test_chat_content_parts_are_their_text_and_other_parts_are_refused(tokenizer
 
 
 def test_fields_that_change_the_answer_and_are_not_served_are_refused_by_name(tokenizer):
-    """A client that asks for tools, a JSON response or echo waits for something Tandem does
-    not make: a 400 naming the field, rather than an answer without it. Their "off" values
-    pass, as clients often send them."""
+    """A client that asks for the older `functions`, echo or best_of waits for something
+    Tandem does not make: a 400 naming the field, rather than an answer without it. Their "off"
+    values pass, as clients often send them."""
 
     async def body(client):
-        tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+        fn = {"name": "f", "parameters": {}}
         chat = dict(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         for extra, field in [
-            (dict(tools=[tool]), "tools"),
-            (dict(response_format={"type": "json_object"}), "response_format"),
-            (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json"),
+            (dict(functions=[fn]), "functions"),
+            (dict(function_call={"name": "f"}), "function_call"),
         ]:
             with pytest.raises(openai.BadRequestError, match=field):
                 await client.chat.completions.create(**chat, **extra)

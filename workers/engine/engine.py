@@ -31,6 +31,7 @@ from kv_transfer.streams import indexed
 from workers.engine.block_pool import BlockPool
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import GraphCapture
+from workers.engine.grammar import GrammarCompiler, GrammarMasks
 from workers.engine.model_runner import GraphSettings, ModelRunner
 from workers.engine.request import (
     NO_TENANCY,
@@ -219,6 +220,16 @@ class LLMEngine:
             raise ValueError(
                 f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})"
             )
+        if sampling.constraint is not None:
+            self.grammars().compiler.grammar(sampling.constraint)  # GrammarError names it
+
+    def grammars(self) -> GrammarMasks:
+        """The engine's constrained-decoding state, made with the first constrained request
+        (reading the tokenizer's vocabulary takes about half a second)."""
+        if self.runner.grammar is None:
+            compiler = GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size)
+            self.runner.grammar = GrammarMasks(compiler, self.eos_token_ids, self.device)
+        return self.runner.grammar
 
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -332,6 +343,8 @@ class LLMEngine:
             )
         for s in siblings:
             self._check_id_free(s.request_id, 1)
+        if sampling.constraint is not None:
+            self.grammars()  # its matcher catches up on output_ids at its first step
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -435,6 +448,8 @@ class LLMEngine:
             return results
         for req, new_ids in self.scheduler.update_from_output(out, sampled):
             results.append(self._output(req, new_ids))
+        if self.runner.grammar is not None and len(self.runner.grammar):
+            self.runner.grammar.retain(self.scheduler.requests)
         return results
 
     def _kv_completing(self, out) -> Callable[[int], None] | None:

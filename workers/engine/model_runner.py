@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from kv_transfer.layout import KVLayout
 from workers.engine.cuda_graphs import DecodeGraphs, GraphCapture
+from workers.engine.grammar import GrammarMasks
 from workers.engine.request import choice_id, choice_seed
 from workers.engine.sampler import Penalties, SamplingTensors, sample
 from workers.engine.scheduler_output import SampledToken, ScheduledRequest, SchedulerOutput
@@ -80,6 +82,10 @@ class ModelRunner:
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype_name
         )
         self.graphs: DecodeGraphs | None = None
+        # Set by the engine once a constrained request arrives; the helper thread that builds
+        # the masks starts with the first such step.
+        self.grammar: GrammarMasks | None = None
+        self._mask_thread: ThreadPoolExecutor | None = None
         use_graphs = graphs is not None and self.backend.graph_safe
         # With graphs, one more block than the pool hands out: the padding rows' (never
         # allocated, so never read by a request).
@@ -115,6 +121,17 @@ class ModelRunner:
             positions += range(s.start_position, s.context_len)
             slots += self._slots(s.block_ids, s.start_position, s.context_len)
         dev = self.device
+        rows, samplers, offset = [], [], 0
+        for s in scheduled:
+            offset += s.num_tokens
+            if s.sample:
+                rows.append(offset - 1)
+                samplers.append(s)
+                for i in s.forks:  # the other choices draw from the same logits
+                    rows.append(offset - 1)
+                    samplers.append(fork_row(s, i))
+        # Constrained rows' masks are built on a helper thread while the model runs.
+        masks = self._start_masks(samplers)
         if self._replays(out, layer_done):
             tables = [s.block_ids for s in out.decodes]
             lens = [s.context_len for s in out.decodes]
@@ -126,20 +143,22 @@ class ModelRunner:
                 self._metadata(out, slots),
                 layer_done,
             )
-        rows, samplers, offset = [], [], 0
-        for s in scheduled:
-            offset += s.num_tokens
-            if s.sample:
-                rows.append(offset - 1)
-                samplers.append(s)
-                for i in s.forks:  # the other choices draw from the same logits
-                    rows.append(offset - 1)
-                    samplers.append(fork_row(s, i))
         if not rows:
             return []
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
-        result = sample(logits, sampling_tensors(samplers, logits.shape[-1], dev))
+        t = sampling_tensors(samplers, logits.shape[-1], dev)
+        if masks is not None:
+            filled = masks.result()
+            t.allowed = (
+                torch.tensor(filled.rows, dtype=torch.long, device=dev),
+                self.grammar.allowed(filled, logits.shape[-1]),
+            )
+        result = sample(logits, t)
         ids = result.token_ids.tolist()
+        if masks is not None:
+            for s, tok in zip(samplers, ids):
+                if s.sampling.constraint is not None:
+                    self.grammar.advance(s.request_id, tok)
         lps = result.logprobs.tolist() if result.logprobs is not None else [None] * len(ids)
         tops = [None] * len(ids)
         if result.top_ids is not None:
@@ -156,6 +175,20 @@ class ModelRunner:
             )
             for s, tok, lp, top in zip(samplers, ids, lps, tops)
         ]
+
+    def _start_masks(self, samplers: list[ScheduledRequest]) -> Future | None:
+        """The grammar masks of the constrained rows, being built on the helper thread."""
+        rows = [
+            (i, s.request_id, s.sampling.constraint, s.output_ids, s.num_output_tokens)
+            for i, s in enumerate(samplers)
+            if s.sampling.constraint is not None
+        ]
+        if not rows:
+            return None
+        assert self.grammar is not None, "a constrained request reached an engine without grammars"
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-grammar")
+        return self._mask_thread.submit(self.grammar.fill, rows)
 
     def _replays(self, out: SchedulerOutput, layer_done) -> bool:
         """Whether this step replays a graph: decodes alone, within the largest bucket, and
@@ -275,7 +308,8 @@ def sampling_tensors(reqs: list[ScheduledRequest], vocab: int, dev) -> SamplingT
     for i, s in enumerate(reqs):
         sp = s.sampling
         edits += [(i, token, bias) for token, bias in sp.logit_bias if token < vocab]
-        if s.num_output_tokens < sp.min_tokens:
+        # A constrained row's grammar alone says where EOS may come.
+        if s.num_output_tokens < sp.min_tokens and sp.constraint is None:
             banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(s.eos_token_ids))
             edits += [(i, token, float("-inf")) for token in sorted(banned) if token < vocab]
     if edits:

@@ -7,6 +7,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from workers.engine.constraint import Constraint
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered so that `is_finished` is a comparison."""
@@ -75,7 +77,8 @@ class SamplingParams:
     strings do not end the request. `top_logprobs` (with `logprobs`) returns that many most
     likely alternatives with each token. Logprobs are those of the raw model distribution,
     before any penalty, bias or temperature. `n` > 1 draws that many completions of one
-    prompt, which is computed once; choice i is seeded `choice_seed(seed, i)`.
+    prompt, which is computed once; choice i is seeded `choice_seed(seed, i)`. `constraint`
+    restricts every draw to tokens that keep the output within it, after bias and penalties.
     """
 
     max_tokens: int = 16
@@ -96,8 +99,12 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     n: int = 1
+    # The output must match it (grammar.py); EOS is drawn only where it may end, and then ends
+    # the request even with ignore_eos or before min_tokens.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "constraint", Constraint.of(self.constraint))
         bias = self.logit_bias
         pairs = bias.items() if isinstance(bias, dict) else bias
         try:

@@ -3,7 +3,7 @@ logit bias, min_tokens and per-request seeds, in vLLM's order:
 
 1. logprobs (and top alternatives) of the raw model distribution;
 2. logit bias, then the min_tokens ban of EOS and stop tokens;
-3. repetition, frequency and presence penalties;
+3. repetition, frequency and presence penalties, then a constrained row's grammar mask;
 4. greedy rows take the argmax of what that leaves; sampling rows divide by their
    temperature, then min-p, top-k and top-p cut the support, and a token is drawn.
 
@@ -58,6 +58,8 @@ class SamplingTensors:
     # Sparse additions to the logits, (rows, token ids, values): logit bias, and -inf for
     # the tokens min_tokens bans.
     logit_edits: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Constrained rows, (rows [R] int64, allowed [R, V] bool): the tokens each may draw.
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -163,12 +165,20 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def adjust_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Steps 2 and 3 of the module's order: what both greedy and sampled rows choose from."""
+    """Steps 2 and 3 of the module's order, then the grammar masks of constrained rows: what
+    both greedy and sampled rows choose from."""
     if t.logit_edits is not None:
         rows, cols, values = t.logit_edits
         logits = logits.index_put((rows, cols), values, accumulate=True)
     if t.penalties is not None:
         logits = apply_penalties(logits, t.penalties)
+    if t.allowed is not None:
+        rows, allowed = t.allowed
+        if len(rows) == len(logits):  # every row constrained: rows are 0..N-1 in order
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        else:
+            masked = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
+            logits = logits.index_copy(0, rows, masked)
     return logits
 
 

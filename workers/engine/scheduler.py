@@ -496,6 +496,9 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
             if not sp.ignore_eos and token in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
+        # A constrained sequence draws EOS only where its grammar may end: it ends there.
+        if req.stop_after is None and sp.constraint is not None and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         if req.stop_after is not None and req.num_output_tokens >= req.stop_after:

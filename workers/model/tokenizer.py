@@ -36,12 +36,20 @@ class Tokenizer:
             return self.encode(text)
         return self.encode_messages([{"role": "user", "content": text}])
 
-    def encode_messages(self, messages: list[dict]) -> list[int]:
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list itself."""
+        return "tools" in (getattr(self.hf, "chat_template", None) or "")
+
+    def encode_messages(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """A conversation ({"role", "content"} dicts) through the chat template, ready for
-        the assistant's turn."""
+        the assistant's turn; `tools` (OpenAI's function list) for a template that takes them."""
         if not self.has_chat_template:
             raise ValueError("the model has no chat template: send a plain prompt instead")
-        ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        extra = {"tools": tools} if tools else {}
+        ids = self.hf.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **extra
+        )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)

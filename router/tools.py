@@ -1,0 +1,244 @@
+"""OpenAI's structured-output and tool fields as one Tandem constraint, and a model's tool
+calls read back into OpenAI's shape.
+
+- `response_format` (`json_object`, `json_schema`), and vLLM's `guided_json`,
+  `guided_regex`, `guided_choice`, `guided_grammar`: the matching `Constraint` kind.
+- `tools` with `tool_choice`: the model writes each call as
+  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (the Hermes format, which
+  Qwen's and Hermes' chat templates use). `required` constrains the output to one or more
+  such calls, each naming a declared function with arguments valid for its parameters; a
+  named function to calls of it alone; `auto` to either calls or plain text (text that does
+  not begin with `<`); `none` leaves the output free and the tools unmentioned. A chat
+  template that takes `tools` renders them; for one that does not, they are described in a
+  system message.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from router.api import tandem_pb2 as pb
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
+MAX_TOOLS = 128
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# As the engine writes JSON (grammar.py): json.dumps's separators, no free whitespace.
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+class FieldError(ValueError):
+    """A body field that cannot be served as given; `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Tools:
+    """The declared functions ({"name", "description", "parameters"}) and how the model may
+    use them: "auto", "required", or one function's name."""
+
+    functions: tuple[dict, ...]
+    choice: str
+
+    def grammar(self) -> str:
+        """The output's grammar (Lark, with llguidance's %json for each call's object)."""
+        allowed = [f for f in self.functions if self.choice in ("auto", "required", f["name"])]
+        call = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for f in allowed
+            ],
+            "x-guidance": _JSON_STYLE,
+        }
+        rules = [
+            'calls: call ("\\n" call)*',
+            f"call: {json.dumps(CALL_OPEN)} body {json.dumps(CALL_CLOSE)}",
+            f"body: %json {json.dumps(call)}",
+        ]
+        if self.choice == "auto":
+            return "\n".join(["start: calls | TEXT", *rules, r"TEXT: /[^<][\s\S]*/"])
+        return "\n".join(["start: calls", *rules])
+
+    def system_prompt(self) -> str:
+        listed = "\n".join(
+            json.dumps({"type": "function", "function": f}, ensure_ascii=False)
+            for f in self.functions
+        )
+        return (
+            "You can call these functions:\n<tools>\n"
+            f"{listed}\n</tools>\n"
+            "To call one, reply with a JSON object of its name and arguments within tags:\n"
+            f'{CALL_OPEN}{{"name": <function-name>, "arguments": <args-json-object>}}{CALL_CLOSE}'
+        )
+
+    def openai_tools(self) -> list[dict]:
+        return [{"type": "function", "function": f} for f in self.functions]
+
+
+def read_tools(body: dict) -> Tools | None:
+    """The request's tools, checked; None without tools or with tool_choice "none"."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise FieldError("tool_choice", "needs tools")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise FieldError("tools", f"give a list of at most {MAX_TOOLS} functions")
+    functions = []
+    for t in tools:
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise FieldError("tools", 'each is {"type": "function", "function": {"name": ...}}')
+        if not _NAME.match(f["name"]):
+            raise FieldError(
+                "tools", f"function name {f['name']!r}: 1-64 of letters, digits, _ . -"
+            )
+        params = f.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise FieldError("tools", f"{f['name']}.parameters: a JSON schema object")
+        entry = {"name": f["name"], "parameters": params}
+        if isinstance(f.get("description"), str):
+            entry["description"] = f["description"]
+        functions.append(entry)
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise FieldError("tools", "function names must be distinct")
+    if choice is None or choice in ("auto", "required"):
+        choice = choice or "auto"
+    elif choice == "none":
+        return None
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        choice = choice["function"].get("name")
+        if choice not in names:
+            raise FieldError("tool_choice", f"names {choice!r}, which is not among the tools")
+    else:
+        raise FieldError("tool_choice", 'use "none", "auto", "required" or a named function')
+    return Tools(tuple(functions), choice)
+
+
+def body_constraint(body: dict, tools: Tools | None) -> pb.Constraint | None:
+    """The one constraint the body asks for (several at once are refused)."""
+    asked: list[tuple[str, pb.Constraint]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            asked.append(("response_format", pb.Constraint(json_object=True)))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, (dict, bool)):
+                raise FieldError("response_format", "json_schema needs {name, schema}")
+            asked.append(("response_format", pb.Constraint(json_schema=json.dumps(schema))))
+        elif kind != "text":
+            raise FieldError("response_format", 'type: "text", "json_object" or "json_schema"')
+    for name in _GUIDED:
+        value = body.get(name)
+        if value is None:
+            continue
+        if name == "guided_json":
+            text = value if isinstance(value, str) else json.dumps(value)
+            asked.append((name, pb.Constraint(json_schema=text)))
+        elif name == "guided_choice":
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise FieldError(name, "give a list of strings")
+            asked.append((name, pb.Constraint(choice=pb.Choices(values=value))))
+        elif not isinstance(value, str):
+            raise FieldError(name, "give a string")
+        else:
+            field = "regex" if name == "guided_regex" else "grammar"
+            asked.append((name, pb.Constraint(**{field: value})))
+    if tools is not None:
+        asked.append(("tools", pb.Constraint(grammar=tools.grammar())))
+    if len(asked) > 1:
+        raise FieldError(asked[1][0], f"set one constraint at a time (also {asked[0][0]})")
+    return asked[0][1] if asked else None
+
+
+def call_text(name: str, arguments) -> str:
+    """One call as the model writes it (for the assistant turns of a conversation)."""
+    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"{CALL_OPEN}{body}{CALL_CLOSE}"
+
+
+def with_system(turns: list[dict], text: str) -> list[dict]:
+    """The conversation with `text` leading its system message (one made if it has none)."""
+    if turns and turns[0]["role"] == "system":
+        return [{"role": "system", "content": f"{turns[0]['content']}\n\n{text}"}, *turns[1:]]
+    return [{"role": "system", "content": text}, *turns]
+
+
+def parse_calls(text: str) -> list[dict] | None:
+    """The tool calls the text holds, in OpenAI's shape; None when it is not calls (plain
+    text, or calls cut short by max_tokens)."""
+    calls, rest = [], text.strip()
+    while rest:
+        if not rest.startswith(CALL_OPEN.strip()):
+            return None
+        end = rest.find(CALL_CLOSE.strip())
+        if end < 0:
+            return None
+        try:
+            obj = json.loads(rest[len(CALL_OPEN.strip()) : end])
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        calls.append(
+            {
+                "id": "call_" + uuid.uuid4().hex[:24],
+                "type": "function",
+                "function": {
+                    "name": obj["name"],
+                    "arguments": json.dumps(obj.get("arguments", {}), ensure_ascii=False),
+                },
+            }
+        )
+        rest = rest[end + len(CALL_CLOSE.strip()) :].strip()
+    return calls or None
+
+
+class CallStream:
+    """One choice's streamed text turned into chat deltas: content while the output cannot
+    be a tool call; each tool call whole, as its closing tag arrives."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._sent = 0  # text already sent as content or calls
+        self.calls = 0
+        self._calls_mode: bool | None = None  # None: the first character is yet to come
+
+    def feed(self, delta: str) -> list[dict]:
+        self.text += delta
+        if self._calls_mode is None and self.text.strip():
+            self._calls_mode = self.text.lstrip().startswith("<")
+        if self._calls_mode is False:
+            out = self.text[self._sent :]
+            self._sent = len(self.text)
+            return [{"content": out}] if out else []
+        deltas = []
+        close = CALL_CLOSE.strip()
+        while (end := self.text.find(close, self._sent)) >= 0:
+            block = self.text[self._sent : end + len(close)]
+            self._sent = end + len(close)
+            for call in parse_calls(block) or []:
+                deltas.append({"tool_calls": [{"index": self.calls, **call}]})
+                self.calls += 1
+        return deltas
+
+    def finish(self) -> list[dict]:
+        """What is left at the end (calls cut short): as content."""
+        rest = self.text[self._sent :]
+        self._sent = len(self.text)
+        return [{"content": rest}] if rest.strip() else []
