@@ -2,8 +2,9 @@
 benchmarks: one request per line, `{"prompt": str}` or `{"prompt_ids": [int]}`, with optional
 sampling fields as SamplingParams names them (max_tokens, temperature, top_p, top_k, min_p,
 seed, ignore_eos, stop, stop_token_ids, logprobs, top_logprobs, presence_penalty,
-frequency_penalty, repetition_penalty, logit_bias as {"token id": bias}, min_tokens, n) and
-priority."""
+frequency_penalty, repetition_penalty, logit_bias as {"token id": bias}, min_tokens, n),
+priority, and a constraint as the proto spells it: {"json_schema": {...}}, {"json_object":
+true}, {"regex": "..."}, {"choice": ["...", ...]} or {"grammar": "..."}."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 from pathlib import Path
 
 from workers.completion import GenerationRequest
+from workers.engine.constraint import Constraint, ConstraintKind
 from workers.engine.request import SamplingParams
 
 _SAMPLING_FIELDS = {
@@ -33,7 +35,7 @@ _SAMPLING_FIELDS = {
     "n": int,
 }
 # "kind" labels a request for benchmarks (e.g. chat / long) and is otherwise ignored.
-_FIELDS = {"prompt", "prompt_ids", "priority", "kind", *_SAMPLING_FIELDS}
+_FIELDS = {"prompt", "prompt_ids", "priority", "kind", "constraint", *_SAMPLING_FIELDS}
 
 
 def parse_request(obj: object, where: str = "request") -> GenerationRequest:
@@ -58,6 +60,8 @@ def parse_request(obj: object, where: str = "request") -> GenerationRequest:
         if name == "logit_bias":
             value = _logit_bias(value, where)
         kwargs[name] = value
+    if obj.get("constraint") is not None:
+        kwargs["constraint"] = _constraint(obj["constraint"], where)
     prompt, ids = obj.get("prompt"), obj.get("prompt_ids")
     if prompt is not None and not isinstance(prompt, str):
         raise ValueError(f"{where}: field 'prompt' must be a string")
@@ -110,3 +114,19 @@ def read_requests(path: str | Path) -> list[GenerationRequest]:
     if not requests:
         raise ValueError(f"{path}: holds no requests")
     return requests
+
+
+def _constraint(value: object, where: str) -> Constraint:
+    kinds = ", ".join(k.value for k in ConstraintKind)
+    if not isinstance(value, dict) or len(value) != 1:
+        raise ValueError(f"{where}: field 'constraint' is one of {{{kinds}}}: value")
+    [(kind, spec)] = value.items()
+    if kind == ConstraintKind.JSON_SCHEMA.value and isinstance(spec, (dict, bool)):
+        return Constraint.json_schema(spec)
+    if kind == ConstraintKind.JSON_OBJECT.value and spec is True:
+        return Constraint(ConstraintKind.JSON_OBJECT)
+    if kind == ConstraintKind.CHOICE.value and isinstance(spec, list):
+        return Constraint(ConstraintKind.CHOICE, choices=tuple(spec))
+    if kind in (ConstraintKind.REGEX.value, ConstraintKind.GRAMMAR.value) and isinstance(spec, str):
+        return Constraint(ConstraintKind(kind), spec)
+    raise ValueError(f"{where}: field 'constraint': {kind!r} with a value of the wrong type")

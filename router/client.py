@@ -22,6 +22,7 @@ from router.api import tandem_pb2_grpc as pb_grpc
 from router.convert import status_to_dict, tenants_to_dict
 from router.tls import ClientTLS, channel
 from workers.completion import Completion, GenerationRequest
+from workers.engine.constraint import Constraint, ConstraintKind
 from workers.engine.request import SamplingParams
 
 __all__ = [
@@ -57,12 +58,22 @@ def to_proto(req: GenerationRequest, request_id: str = "") -> pb.GenerateRequest
     )
     if sp.seed is not None:
         sampling.seed = sp.seed
+    if sp.constraint is not None:
+        sampling.constraint.CopyFrom(constraint_to_proto(sp.constraint))
     msg = pb.GenerateRequest(request_id=request_id, sampling=sampling, priority=req.priority)
     if req.prompt is not None:
         msg.prompt = req.prompt
     else:
         msg.prompt_ids.extend(req.prompt_ids)
     return msg
+
+
+def constraint_to_proto(c: Constraint) -> pb.Constraint:
+    if c.kind is ConstraintKind.CHOICE:
+        return pb.Constraint(choice=pb.Choices(values=list(c.choices)))
+    if c.kind is ConstraintKind.JSON_OBJECT:
+        return pb.Constraint(json_object=True)
+    return pb.Constraint(**{c.kind.value: c.text})
 
 
 @dataclass

@@ -6,8 +6,9 @@ calls read back into OpenAI's shape.
 - `tools` with `tool_choice`: the model writes each call as
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (the Hermes format, which
   Qwen's and Hermes' chat templates use). `required` constrains the output to one or more
-  such calls, each naming a declared function with arguments valid for its parameters; a
-  named function to calls of it alone; `auto` to either calls or plain text (text that does
+  such calls (one with `parallel_tool_calls: false`), each naming a declared function with
+  arguments valid for its parameters (closed to other keys, as OpenAI's strict mode); a
+  named function to one call of it; `auto` to either calls or plain text (text that does
   not begin with `<`); `none` leaves the output free and the tools unmentioned. A chat
   template that takes `tools` renders them; for one that does not, they are described in a
   system message.
@@ -21,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 
 from router.api import tandem_pb2 as pb
+from workers.engine.grammar import closed_objects
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
 MAX_TOOLS = 128
@@ -45,6 +47,7 @@ class Tools:
 
     functions: tuple[dict, ...]
     choice: str
+    parallel: bool = True  # several calls in one answer (OpenAI's parallel_tool_calls)
 
     def grammar(self) -> str:
         """The output's grammar (Lark, with llguidance's %json for each call's object)."""
@@ -53,7 +56,10 @@ class Tools:
             "anyOf": [
                 {
                     "type": "object",
-                    "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+                    "properties": {
+                        "name": {"const": f["name"]},
+                        "arguments": closed_objects(f["parameters"]),
+                    },
                     "required": ["name", "arguments"],
                     "additionalProperties": False,
                 }
@@ -62,7 +68,7 @@ class Tools:
             "x-guidance": _JSON_STYLE,
         }
         rules = [
-            'calls: call ("\\n" call)*',
+            'calls: call ("\\n" call)*' if self.parallel else "calls: call",
             f"call: {json.dumps(CALL_OPEN)} body {json.dumps(CALL_CLOSE)}",
             f"body: %json {json.dumps(call)}",
         ]
@@ -124,7 +130,11 @@ def read_tools(body: dict) -> Tools | None:
             raise FieldError("tool_choice", f"names {choice!r}, which is not among the tools")
     else:
         raise FieldError("tool_choice", 'use "none", "auto", "required" or a named function')
-    return Tools(tuple(functions), choice)
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise FieldError("parallel_tool_calls", "true or false")
+    # A named function is called once, as OpenAI's forced function call is.
+    return Tools(tuple(functions), choice, parallel and choice in ("auto", "required"))
 
 
 def body_constraint(body: dict, tools: Tools | None) -> pb.Constraint | None:

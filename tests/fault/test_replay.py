@@ -25,6 +25,7 @@ from tests.fault.faults import (
 )
 from tests.integration.harness import CHATS, ClusterHarness, cluster_config, greedy
 from workers.completion import GenerationRequest
+from workers.engine.constraint import Constraint, ConstraintKind
 from workers.engine.request import SamplingParams, choice_id
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.timeout(900)]
@@ -294,4 +295,70 @@ def test_lone_decode_worker_killed_and_its_replacement_takes_over(cluster, refer
     results, _ = cluster.run(run_with_fault(cluster.client, REQUESTS, strike), timeout=600)
     assert_whole(results, reference)
     healed(cluster, "decode", 1)
+    clean(cluster)
+
+
+GUEST_LIST = {
+    "type": "object",
+    "properties": {
+        "guests": {
+            "type": "array",
+            "minItems": 4,
+            "maxItems": 6,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 20},
+                    "age": {"type": "integer", "minimum": 1, "maximum": 99},
+                    "diet": {"enum": ["any", "vegetarian", "vegan"]},
+                },
+                "required": ["name", "age", "diet"],
+            },
+        }
+    },
+    "required": ["guests"],
+}
+
+
+def guided_workload() -> list[GenerationRequest]:
+    """8 constrained streams: JSON schema greedy and seeded, a regex and any JSON object."""
+    schema = Constraint.json_schema(GUEST_LIST)
+    words = Constraint(ConstraintKind.REGEX, r"([a-z]{2,8} ){12,20}[a-z]{2,8}\.")
+
+    def req(i, c, **kw):
+        sp = SamplingParams(max_tokens=240, constraint=c, **kw)
+        return GenerationRequest(prompt=CHATS[i % len(CHATS)] + " Answer as asked.", sampling=sp)
+
+    return [
+        *[req(i, schema, temperature=0) for i in range(4)],
+        req(4, schema, temperature=0.8, seed=41),
+        req(5, schema, temperature=0.8, top_p=0.9, seed=42),
+        req(6, words, temperature=0.7, seed=43),
+        req(7, Constraint(ConstraintKind.JSON_OBJECT), temperature=0.8, seed=44),
+    ]
+
+
+def test_guided_streams_whole_through_a_decode_kill(cluster):
+    """A constrained stream's matcher is rebuilt from its tokens wherever it lands: killed
+    mid-stream, every guided stream ends equal to its no-fault run, and valid."""
+    import json
+    import re
+
+    import jsonschema
+
+    requests = guided_workload()
+    reference = cluster.generate_many(requests)
+    assert all(r.status == "OK" for r in reference), [r.error for r in reference]
+
+    async def strike():
+        busiest = max(await live_workers(cluster.client, "decode"), key=lambda w: w["running"])
+        kill(busiest["pid"])
+
+    results, _ = cluster.run(run_with_fault(cluster.client, requests, strike), timeout=600)
+    assert_whole(results, [r.token_ids for r in reference])
+    assert failures(cluster, results), "nothing was replayed"
+    for r in results[:6]:
+        jsonschema.validate(json.loads(r.text), GUEST_LIST)
+    assert re.fullmatch(r"([a-z]{2,8} ){12,20}[a-z]{2,8}\.", results[6].text)
+    healed(cluster, "decode", 2)
     clean(cluster)

@@ -200,3 +200,157 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(cluster):
         assert w["kv_blocks_free"] == w["kv_blocks_total"], w
         assert w["running"] == 0
     assert cluster.cluster.router.status().in_flight == 0
+
+
+# -- structured output and tools, through the cluster ---------------------------------------
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "langs": {"type": "array", "items": {"enum": ["en", "fr", "de"]}, "maxItems": 3},
+        "email": {"type": "string", "maxLength": 40},
+        "score": {"type": "number", "minimum": 0, "maximum": 10},
+    },
+    "required": ["name", "age", "langs"],
+}
+ITEMS = {
+    "type": "array",
+    "items": {
+        "anyOf": [
+            {"type": "object", "properties": {"sku": {"type": "string", "maxLength": 8}},
+             "required": ["sku"]},
+            {"type": "integer", "minimum": 1, "maximum": 99},
+        ]
+    },
+    "minItems": 1,
+    "maxItems": 3,
+}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("schema", [PERSON, ITEMS], ids=["person", "items"])
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.9, seed=3)])
+def test_json_schema_outputs_validate_and_grpc_equals_http(cluster, client, schema, sampling):
+    import jsonschema
+
+    prompt = "Describe one person as JSON." if schema is PERSON else "List items as JSON."
+    text, _ = grpc_text(
+        cluster,
+        prompt=prompt,
+        sampling=pb.SamplingParams(
+            max_tokens=120, constraint=pb.Constraint(json_schema=json.dumps(schema)), **sampling
+        ),
+    )
+    jsonschema.validate(json.loads(text), schema)
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    got = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=120,
+        response_format=fmt,
+        **sampling,
+    )
+    assert got.choices[0].message.content == text
+    assert got.choices[0].finish_reason == "stop"
+
+
+def test_regex_choice_and_n_json_objects_over_http(cluster, client):
+    import re
+
+    messages = [{"role": "user", "content": "When was the moon landing?"}]
+    date = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=20, temperature=0,
+        extra_body={"guided_regex": r"(19|20)[0-9]{2}-[01][0-9]-[0-3][0-9]"},
+    )  # fmt: skip
+    assert re.fullmatch(r"(19|20)[0-9]{2}-[01][0-9]-[0-3][0-9]", date.choices[0].message.content)
+    pick = client.completions.create(
+        model=MODEL, prompt="Is water wet? Answer:", max_tokens=8, temperature=0.7, seed=1,
+        extra_body={"guided_choice": ["yes", "no"]},
+    )  # fmt: skip
+    assert pick.choices[0].text in ("yes", "no")
+    many = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=80, temperature=1.0, seed=9, n=4,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    for c in many.choices:
+        if c.finish_reason == "stop":
+            assert isinstance(json.loads(c.message.content), dict)
+        else:  # cut by max_tokens: still the beginning of an object
+            assert c.message.content.startswith("{")
+    assert sum(c.finish_reason == "stop" for c in many.choices) >= 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_calls_name_a_declared_function_with_valid_arguments(cluster, client, stream):
+    import jsonschema
+
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        # One call each: this small model, free to call again, calls again until max_tokens.
+        args = dict(model=MODEL, messages=messages, tools=[WEATHER, ADD], tool_choice=choice,
+                    parallel_tool_calls=False, max_tokens=80, temperature=0)  # fmt: skip
+        if stream:
+            calls, reason = {}, None
+            for ev in client.chat.completions.create(**args, stream=True):
+                for tc in ev.choices[0].delta.tool_calls or []:
+                    entry = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                    entry["name"] += tc.function.name or ""
+                    entry["arguments"] += tc.function.arguments or ""
+                reason = ev.choices[0].finish_reason or reason
+            made = [(c["name"], c["arguments"]) for _, c in sorted(calls.items())]
+        else:
+            r = client.chat.completions.create(**args)
+            reason = r.choices[0].finish_reason
+            made = [
+                (c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls
+            ]
+        assert reason == "tool_calls" and made
+        tools = {"get_weather": WEATHER, "add": ADD}
+        for name, arguments in made:
+            assert name in tools and (choice == "required" or name == "get_weather")
+            jsonschema.validate(json.loads(arguments), tools[name]["function"]["parameters"])
+
+
+def test_a_bad_schema_is_refused_before_any_worker(cluster, client):
+    before = cluster.status()["router"]["in_flight"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
+    with pytest.raises(openai.BadRequestError, match="nope"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], response_format=fmt
+        )
+    r = cluster.run(
+        cluster.client.generate(
+            pb.GenerateRequest(
+                prompt="hi", sampling=pb.SamplingParams(constraint=pb.Constraint(regex="a(b"))
+            ),
+            timeout_s=30,
+        )
+    )
+    assert r.status == "INVALID_ARGUMENT" and "unclosed group" in r.error
+    assert cluster.status()["router"]["in_flight"] == before
