@@ -141,7 +141,7 @@ class OpenAIFront:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.keys = keys
-        self.grammars = GrammarCheck(router.tokenizer, vocab_size)
+        self.grammars = GrammarCheck(router.tokenizer, vocab_size, getattr(router, "metrics", None))
         self.created = int(time.time())
 
     def app(self) -> web.Application:

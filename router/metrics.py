@@ -50,6 +50,19 @@ class RouterMetrics:
         self.tenant_queue = histogram("tandem_tenant_queue_seconds", "time waiting for a slot", tt)
         self.tenant_ttft = histogram("tandem_tenant_ttft_seconds", "admission to first token", tt)
         self.tenant_tpot = histogram("tandem_tenant_tpot_seconds", "time per output token", tt)
+        self.constrained = counter(
+            "tandem_constrained_requests_total",
+            "requests with a constraint, by kind (json_schema, regex, choice, ...)",
+            (*t, "kind"),
+        )
+        self.grammar_compile = histogram(
+            "tandem_router_grammar_compile_seconds",
+            "a constraint compiled on the router (not cached)",
+            t,
+        )
+        self.grammar_cache_hits = counter(
+            "tandem_router_grammar_cache_hits_total", "constraints found compiled on the router", t
+        )
         self.length_error = gauge(
             "tandem_length_prediction_error_tokens",
             "recent mean absolute error of the output-length predictor",

@@ -137,7 +137,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.keys = keys
-        self.grammars = GrammarCheck(router.tokenizer, vocab_size)
+        self.grammars = GrammarCheck(router.tokenizer, vocab_size, router.metrics)
 
     def _tenant(self, context) -> str | None:
         """The caller's tenant, from its key (None: no keys)."""

@@ -8,6 +8,7 @@ import random
 import re
 import struct
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -82,8 +83,10 @@ class GrammarCheck:
     compiler is made with the first constrained request. Thread-safe: `validate` runs off the
     event loop."""
 
-    def __init__(self, tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer, vocab_size: int, metrics=None) -> None:
+        """`metrics`: a RouterMetrics to count constrained requests and compiles in."""
         self._tokenizer, self._vocab_size = tokenizer, vocab_size
+        self._metrics = metrics
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
 
@@ -95,10 +98,19 @@ class GrammarCheck:
             return self._compiler
 
     def __call__(self, c: Constraint) -> None:
+        compiler = self.compiler
+        hits, started = compiler.hits, time.perf_counter()
         try:
-            self.compiler.grammar(c)
+            compiler.grammar(c)
         except GrammarError as e:
             raise InvalidRequest(f"sampling.{e}") from None
+        m = self._metrics
+        if m is not None:
+            m.constrained.inc(1, {**m.tags, "kind": c.kind.value})
+            if compiler.hits > hits:
+                m.grammar_cache_hits.inc(1, m.tags)
+            else:
+                m.grammar_compile.observe(time.perf_counter() - started, m.tags)
 
 
 def constraint_of(s: pb.SamplingParams) -> Constraint | None:

@@ -126,7 +126,25 @@ class WorkerMetrics:
             " scattered on the receiver, or both: their blocks were not in one run)",
             t,
         )
-        self._last: dict[str, int] = {}
+        self.constrained = counter(
+            "tandem_constrained_seqs_total", "sequences decoded under a constraint", t
+        )
+        self.mask_steps = counter(
+            "tandem_grammar_mask_steps_total", "steps that built constrained rows' masks", t
+        )
+        self.mask_seconds = counter(
+            "tandem_grammar_mask_seconds_total",
+            "seconds building masks (per step: rate of this over rate of mask steps)",
+            t,
+        )
+        self.compiles = counter("tandem_grammar_compiles_total", "constraints compiled", t)
+        self.compile_seconds = counter(
+            "tandem_grammar_compile_seconds_total", "seconds compiling constraints", t
+        )
+        self.cache_hits = counter(
+            "tandem_grammar_cache_hits_total", "constraints found compiled", t
+        )
+        self._last: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def observe(self, s) -> None:
@@ -143,6 +161,12 @@ class WorkerMetrics:
                 ("preemptions", s.preemptions),
                 ("prefill_tokens", s.prefill_tokens),
                 ("decode_tokens", s.decode_tokens),
+                ("constrained", s.constrained_seqs),
+                ("mask_steps", s.grammar_mask_steps),
+                ("mask_seconds", s.grammar_mask_seconds),
+                ("compiles", s.grammar_compiles),
+                ("compile_seconds", s.grammar_compile_seconds),
+                ("cache_hits", s.grammar_cache_hits),
             ):
                 delta = value - self._last.get(name, 0)
                 self._last[name] = value

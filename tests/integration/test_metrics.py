@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 
 from tests.integration.harness import CHATS, ClusterHarness, cluster_config, greedy
+from workers.engine.constraint import Constraint, ConstraintKind
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -21,6 +22,11 @@ WORKER_SERIES = [
     "tandem_prefix_cache_hit_rate",
     "tandem_kv_transfer_bytes_total",
     "tandem_kv_transfer_seconds_count",
+    "tandem_constrained_seqs_total",
+    "tandem_grammar_mask_steps_total",
+    "tandem_grammar_mask_seconds_total",
+    "tandem_grammar_compiles_total",
+    "tandem_grammar_compile_seconds_total",
 ]
 ROUTER_SERIES = [
     "tandem_requests_total",
@@ -28,6 +34,8 @@ ROUTER_SERIES = [
     "tandem_itl_seconds_count",
     "tandem_e2e_seconds_count",
     "tandem_scale_events_total",
+    "tandem_constrained_requests_total",
+    "tandem_router_grammar_compile_seconds_count",
 ]
 # Present from the start, possibly zero while nothing waits or runs.
 GAUGES = [
@@ -79,6 +87,8 @@ def scrape(port: int) -> dict[str, list[tuple[dict, float]]]:
 def test_every_series_is_scraped_with_traffic_values(cluster):
     prefix = "You are a careful assistant. Answer in one short sentence. " * 8
     requests = [greedy(prefix + c, 12) for c in CHATS[:4]]
+    yes_no = Constraint(ConstraintKind.CHOICE, choices=("yes", "no"))
+    requests.append(greedy(CHATS[6], 4, constraint=yes_no))
     cluster.generate_many(requests[:1])  # the shared prefix is cached on the prefill worker
     results = cluster.generate_many(requests[1:])
     assert all(r.status == "OK" for r in results)

@@ -86,6 +86,14 @@ class EngineStats:
     prefix_query_blocks: int = 0  # full prompt blocks looked up in the prefix cache
     prefill_tokens: int = 0  # lifetime: tokens computed in prompt chunks
     decode_tokens: int = 0  # lifetime: tokens computed one per sequence per step
+    # Constrained decoding, lifetime: sequences given a matcher, steps that built masks and
+    # their seconds, constraints compiled (seconds) and found compiled.
+    constrained_seqs: int = 0
+    grammar_mask_steps: int = 0
+    grammar_mask_seconds: float = 0.0
+    grammar_compiles: int = 0
+    grammar_compile_seconds: float = 0.0
+    grammar_cache_hits: int = 0
 
 
 def _stops_armed(req: Request) -> bool:
@@ -411,7 +419,19 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         sched = self.scheduler
+        g = self.runner.grammar
+        grammar = {}
+        if g is not None:
+            grammar = dict(
+                constrained_seqs=g.constrained_requests,
+                grammar_mask_steps=g.mask_steps,
+                grammar_mask_seconds=g.mask_seconds,
+                grammar_compiles=g.compiler.compiles,
+                grammar_compile_seconds=g.compiler.compile_seconds,
+                grammar_cache_hits=g.compiler.hits,
+            )
         return EngineStats(
+            **grammar,
             kv_blocks_total=self.pool.num_blocks,
             kv_blocks_free=self.pool.num_free_blocks,
             kv_blocks_reservable=self.pool.num_blocks - sched.kv.watermark_blocks,
