@@ -210,7 +210,12 @@ class GrammarMasks:
         bitmask = torch.zeros((len(rows), words), dtype=torch.int32)
         matchers, accepting = [], []
         for i, (_, seq_id, c, out, n) in enumerate(rows):
-            m = self._caught_up(seq_id, c, out, n).matcher
+            try:
+                m = self._caught_up(seq_id, c, out, n).matcher
+            except Exception:  # the router compiled it: only a broken install gets here
+                log.exception("%s: its constraint does not compile here: it ends now", seq_id)
+                accepting.append(True)  # EOS alone
+                continue
             matchers.append((m, i))
             accepting.append(m.is_accepting() or m.is_error())
         if self._executor is not None and len(rows) > 1:
