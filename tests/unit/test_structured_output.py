@@ -215,3 +215,46 @@ def test_closed_objects_keep_what_the_schema_allows():
     assert out["properties"]["a"]["additionalProperties"] is False
     assert out["$defs"]["d"]["additionalProperties"] is False
     assert closed_objects({"properties": {}, "additionalProperties": True})["additionalProperties"]
+
+
+def test_constraints_compose_with_every_sampling_field(engines):
+    """Bias, penalties, min_p/top-k, logprobs and a stop string under a grammar: the output
+    stays within it, a stop string still cuts it, and logprobs come with every token."""
+    engine, _ = engines
+    schema = SCHEMAS["enum_and_optional"]
+    tok = engine.tokenizer
+    rich = dict(
+        temperature=0.9,
+        seed=8,
+        top_k=50,
+        min_p=0.01,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        repetition_penalty=1.1,
+        logit_bias={tok.encode('"red')[0]: 5.0},
+        logprobs=True,
+        top_logprobs=2,
+    )
+    whole = SamplingParams(max_tokens=80, constraint=Constraint.json_schema(schema), **rich)
+    ids = engine.add_request(PROMPT, whole)
+    out, lps = [], []
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.request_id == ids
+            out += o.new_token_ids
+            lps += o.new_logprobs
+    assert len(lps) == len(out)
+    text_out = text(engine, out)
+    jsonschema.validate(json.loads(text_out), schema)
+    # The same draw cut by a stop string that its output holds.
+    cut = text_out[: text_out.index(":") + 1]
+    sp = SamplingParams(
+        max_tokens=80, constraint=Constraint.json_schema(schema), stop=(":",), **rich
+    )
+    rid = engine.add_request(PROMPT, sp)
+    got = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            got.append(o)
+    assert got[-1].finish_reason.value == "stop" and got[-1].request_id == rid
+    assert got[-1].text == cut[:-1]  # cut before the stop string, as vLLM cuts
