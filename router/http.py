@@ -234,7 +234,7 @@ class OpenAIFront:
         client_id, tenant = adm.request_id, request.get(TENANT)
         if tenant is not None:  # the key's tenant, never the body's
             adm = replace(adm, request_id=scoped_id(tenant, client_id), tenant=tenant)
-        reply = Reply(self, adm, chat, body, len(ids), client_id, tools is not None)
+        reply = Reply(self, adm, chat, body, len(ids), client_id, tools)
         chunks = self._chunks(adm, body.get("deadline_s"))
         try:
             if body.get("stream"):
@@ -317,7 +317,7 @@ class OpenAIFront:
             for m in messages:
                 if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
                     raise HttpError(400, "messages: each needs a role and content", "messages")
-                turns.append({"role": m["role"], "content": _turn_text(m)})
+                turns.append(_turn(m, native=tools is not None and self.tokenizer.takes_tools))
             self._check_text("messages", [t["role"] + t["content"] for t in turns])
             try:
                 if tools is None:
@@ -390,7 +390,7 @@ class Reply:
         body: dict,
         prompt_tokens: int,
         client_id: str,
-        tools: bool = False,
+        tools: Tools | None = None,
     ):
         self.front, self.chat = front, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + client_id
@@ -479,10 +479,11 @@ class _Choice:
     """One completion's text, end and logprobs, as its chunks arrive."""
 
     def __init__(
-        self, index: int, chat: bool, want_logprobs: bool, tokenizer, tools: bool = False
+        self, index: int, chat: bool, want_logprobs: bool, tokenizer, tools: Tools | None = None
     ) -> None:
         self.index, self.chat, self.want_logprobs = index, chat, want_logprobs
-        self.calls = CallStream() if tools else None  # streamed tool calls
+        self.names = tools.names if tools is not None else None
+        self.calls = CallStream(self.names) if tools is not None else None  # streamed calls
         self.tokenizer = tokenizer
         self.completion_tokens = 0
         self.text = ""
@@ -531,7 +532,7 @@ class _Choice:
     def whole(self) -> dict:
         if self.chat:
             message = {"role": "assistant", "content": self.text}
-            calls = parse_calls(self.text) if self.calls is not None else None
+            calls = parse_calls(self.text, self.names) if self.calls is not None else None
             if calls:
                 message = {"role": "assistant", "content": None, "tool_calls": calls}
             reason = "tool_calls" if calls and self.finish_reason == "stop" else self.finish_reason
@@ -621,24 +622,35 @@ def _content(content) -> str:
     return _check_unicode(content, "messages")
 
 
-def _turn_text(m: dict) -> str:
-    """A message's text; an assistant's tool calls written as the model writes them, and a
-    tool's result as a tool response."""
-    calls = m.get("tool_calls")
-    if m["role"] == "assistant" and calls:
+def _turn(m: dict, native: bool) -> dict:
+    """A message for the chat template. With `native` (a template that takes tools), an
+    assistant's tool calls and a tool's result go to it as they are; otherwise they are written
+    into the text as the model writes them: calls in tags, results as tool responses."""
+    role, calls = m["role"], m.get("tool_calls")
+    text = _content(m.get("content")) if m.get("content") is not None or not calls else ""
+    if role == "assistant" and calls:
         try:
-            return "\n".join(
-                call_text(c["function"]["name"], json.loads(c["function"]["arguments"] or "{}"))
+            parsed = [
+                (c["function"]["name"], json.loads(c["function"]["arguments"] or "{}"))
                 for c in calls
-            )
+            ]
         except (KeyError, TypeError, ValueError):
             raise HttpError(
                 400, "messages: a tool call needs function.name and JSON arguments", "messages"
             ) from None
-    text = _content(m.get("content"))
-    if m["role"] == "tool":
-        return f"<tool_response>\n{text}\n</tool_response>"
-    return text
+        if native:
+            fns = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in parsed]
+            return {"role": role, "content": text, "tool_calls": fns}
+        return {
+            "role": role,
+            "content": "\n".join([text] * bool(text) + [call_text(*p) for p in parsed]),
+        }
+    if role == "tool" and not native:
+        return {"role": role, "content": f"<tool_response>\n{text}\n</tool_response>"}
+    turn = {"role": role, "content": text}
+    if role == "tool" and isinstance(m.get("tool_call_id"), str):
+        turn["tool_call_id"] = m["tool_call_id"]
+    return turn
 
 
 def _check_unicode(text: str, param: str) -> str:

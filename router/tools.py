@@ -46,12 +46,13 @@ class Tools:
     use them: "auto", "required", or one function's name."""
 
     functions: tuple[dict, ...]
-    choice: str
+    choice: str  # "auto" or "required"
     parallel: bool = True  # several calls in one answer (OpenAI's parallel_tool_calls)
+    named: str | None = None  # tool_choice named this function: one call of it
 
     def grammar(self) -> str:
         """The output's grammar (Lark, with llguidance's %json for each call's object)."""
-        allowed = [f for f in self.functions if self.choice in ("auto", "required", f["name"])]
+        allowed = [f for f in self.functions if self.named in (None, f["name"])]
         call = {
             "anyOf": [
                 {
@@ -72,8 +73,8 @@ class Tools:
             f"call: {json.dumps(CALL_OPEN)} body {json.dumps(CALL_CLOSE)}",
             f"body: %json {json.dumps(call)}",
         ]
-        if self.choice == "auto":
-            return "\n".join(["start: calls | TEXT", *rules, r"TEXT: /[^<][\s\S]*/"])
+        if self.choice == "auto" and self.named is None:
+            return "\n".join(["start: calls | TEXT", *rules, r"TEXT: /[^<\s][\s\S]*/"])
         return "\n".join(["start: calls", *rules])
 
     def system_prompt(self) -> str:
@@ -87,6 +88,10 @@ class Tools:
             "To call one, reply with a JSON object of its name and arguments within tags:\n"
             f'{CALL_OPEN}{{"name": <function-name>, "arguments": <args-json-object>}}{CALL_CLOSE}'
         )
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(f["name"] for f in self.functions)
 
     def openai_tools(self) -> list[dict]:
         return [{"type": "function", "function": f} for f in self.functions]
@@ -120,21 +125,22 @@ def read_tools(body: dict) -> Tools | None:
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
         raise FieldError("tools", "function names must be distinct")
+    named = None
     if choice is None or choice in ("auto", "required"):
         choice = choice or "auto"
     elif choice == "none":
         return None
     elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
-        choice = choice["function"].get("name")
-        if choice not in names:
-            raise FieldError("tool_choice", f"names {choice!r}, which is not among the tools")
+        named, choice = choice["function"].get("name"), "required"
+        if named not in names:
+            raise FieldError("tool_choice", f"names {named!r}, which is not among the tools")
     else:
         raise FieldError("tool_choice", 'use "none", "auto", "required" or a named function')
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         raise FieldError("parallel_tool_calls", "true or false")
     # A named function is called once, as OpenAI's forced function call is.
-    return Tools(tuple(functions), choice, parallel and choice in ("auto", "required"))
+    return Tools(tuple(functions), choice, parallel and named is None, named)
 
 
 def body_constraint(body: dict, tools: Tools | None) -> pb.Constraint | None:
@@ -189,21 +195,17 @@ def with_system(turns: list[dict], text: str) -> list[dict]:
     return [{"role": "system", "content": text}, *turns]
 
 
-def parse_calls(text: str) -> list[dict] | None:
-    """The tool calls the text holds, in OpenAI's shape; None when it is not calls (plain
-    text, or calls cut short by max_tokens)."""
-    calls, rest = [], text.strip()
+def parse_calls(text: str, names=None) -> list[dict] | None:
+    """The tool calls the text holds, in OpenAI's shape, each naming one of `names` (any, if
+    None); None when it is not calls (plain text, or calls cut short by max_tokens)."""
+    calls, rest = [], text
     while rest:
         if not rest.startswith(CALL_OPEN.strip()):
             return None
-        end = rest.find(CALL_CLOSE.strip())
-        if end < 0:
-            return None
-        try:
-            obj = json.loads(rest[len(CALL_OPEN.strip()) : end])
-        except ValueError:
-            return None
+        obj, end = _call_object(rest)
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        if names is not None and obj["name"] not in names:
             return None
         calls.append(
             {
@@ -215,34 +217,54 @@ def parse_calls(text: str) -> list[dict] | None:
                 },
             }
         )
-        rest = rest[end + len(CALL_CLOSE.strip()) :].strip()
+        rest = rest[end + len(CALL_CLOSE.strip()) :]
+        rest = rest[1:] if rest.startswith("\n") else rest  # the separator between calls
     return calls or None
+
+
+def _call_object(text: str) -> tuple[object, int]:
+    """The JSON of the call `text` begins with, and where its closing tag is: the first
+    closing tag after which the JSON is whole (one may sit inside an argument's string)."""
+    opening, close = CALL_OPEN.strip(), CALL_CLOSE.strip()
+    end = text.find(close)
+    while end >= 0:
+        try:
+            return json.loads(text[len(opening) : end]), end
+        except ValueError:
+            end = text.find(close, end + 1)
+    return None, -1
 
 
 class CallStream:
     """One choice's streamed text turned into chat deltas: content while the output cannot
     be a tool call; each tool call whole, as its closing tag arrives."""
 
-    def __init__(self) -> None:
+    def __init__(self, names) -> None:
+        self.names = frozenset(names)  # the declared functions
         self.text = ""
         self._sent = 0  # text already sent as content or calls
+        self._seen = 0  # closing tags before this point end no call
         self.calls = 0
         self._calls_mode: bool | None = None  # None: the first character is yet to come
 
     def feed(self, delta: str) -> list[dict]:
         self.text += delta
-        if self._calls_mode is None and self.text.strip():
-            self._calls_mode = self.text.lstrip().startswith("<")
+        if self._calls_mode is None and self.text:
+            self._calls_mode = self.text.startswith("<")  # as the tools grammar decides
         if self._calls_mode is False:
             out = self.text[self._sent :]
             self._sent = len(self.text)
             return [{"content": out}] if out else []
         deltas = []
         close = CALL_CLOSE.strip()
-        while (end := self.text.find(close, self._sent)) >= 0:
-            block = self.text[self._sent : end + len(close)]
-            self._sent = end + len(close)
-            for call in parse_calls(block) or []:
+        while (end := self.text.find(close, max(self._sent, self._seen))) >= 0:
+            self._seen = end + len(close)
+            block = self.text[self._sent : self._seen]
+            calls = parse_calls(block.removeprefix("\n"), self.names)
+            if calls is None:
+                continue  # a closing tag inside an argument's string: the call goes on
+            self._sent = self._seen
+            for call in calls:
                 deltas.append({"tool_calls": [{"index": self.calls, **call}]})
                 self.calls += 1
         return deltas

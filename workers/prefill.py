@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from kv_transfer.protocol import TransferDescriptor
 from workers.engine.engine import RequestOutput
+from workers.engine.grammar import GrammarError
 from workers.engine.request import FinishReason
 from workers.kv_sender import KVSender, LayerProgress, Push
 from workers.messages import (
@@ -97,6 +98,8 @@ class PrefillWorker(WorkerBase):
         try:
             self.on_loop(self._add, job)
             return entry.result.result(max(0.0, deadline - time.monotonic()))
+        except GrammarError as e:  # its constraint does not compile (the router checks first)
+            return PrefillResult(rid, attempt, Status.INVALID_ARGUMENT, error=str(e))
         except ValueError as e:  # the engine refused it: it can never fit here
             return PrefillResult(rid, attempt, Status.RESOURCE_EXHAUSTED, error=str(e))
         except (FutureTimeout, TimeoutError) as e:

@@ -281,3 +281,34 @@ def run_to_end(engine, rid):
             if o.request_id == rid and o.finished:
                 return o
     raise AssertionError(f"{rid} never finished")
+
+
+def test_a_constrained_request_handed_off_decodes_the_same(engines):
+    """The prefill draws the first token under the grammar; the decode engine rebuilds the
+    matcher from it (and a replay's prior tokens) and goes on as one engine would, choices
+    of n > 1 each on their own matcher."""
+    import json
+
+    from workers.engine.constraint import Constraint
+
+    prefill, decode = engines
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                       "b": {"enum": ["x", "yy", "zzz"]}},
+        "required": ["a", "b"],
+    }  # fmt: skip
+    c = Constraint.json_schema(schema)
+    for sp in (
+        SamplingParams(max_tokens=40, temperature=0, constraint=c),
+        SamplingParams(max_tokens=40, temperature=1.0, seed=3, constraint=c),
+    ):
+        whole = run(prefill, PROMPT, sp)
+        json.loads(prefill.tokenizer.decode(whole))
+        assert handoff(prefill, decode, sp) == [whole]
+        assert handoff(prefill, decode, sp, prior=whole[:4]) == [whole]
+    sp = SamplingParams(max_tokens=40, temperature=1.0, seed=7, constraint=c, n=3)
+    choices = handoff(prefill, decode, sp)
+    lone = [run(prefill, PROMPT, replace(sp, seed=choice_seed(7, i), n=1)) for i in range(3)]
+    assert choices == lone
+    assert free(prefill) and free(decode)

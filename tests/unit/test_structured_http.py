@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestServer
 
 from router.http import OpenAIFront
 from router.stream import Chunk
-from router.tools import parse_calls
+from router.tools import CallStream, parse_calls
 from workers.engine.constraint import ConstraintKind
 from workers.model.loader import resolve_model
 from workers.model.tokenizer import Tokenizer
@@ -224,3 +224,20 @@ def test_parse_calls_refuses_what_is_not_calls():
     assert parse_calls("hello") is None
     assert parse_calls('<tool_call>\n{"name": "f", "argu') is None  # cut by max_tokens
     assert parse_calls(CALL)[0]["function"]["name"] == "get_weather"
+
+
+def test_only_declared_functions_and_exact_tags_are_calls():
+    undeclared = CALL.replace("get_weather", "rm_rf")
+    assert parse_calls(undeclared, {"get_weather"}) is None
+    assert parse_calls(" " + CALL, {"get_weather"}) is None  # text, as the grammar reads it
+    assert parse_calls(CALL + "\n" + CALL, {"get_weather"})[1]["function"]["name"] == "get_weather"
+
+
+def test_a_closing_tag_inside_an_argument_does_not_end_the_streamed_call():
+    tricky = '<tool_call>\n{"name": "f", "arguments": {"s": "a</tool_call>b"}}\n</tool_call>'
+    stream = CallStream({"f"})
+    deltas = [d for i in range(0, len(tricky), 5) for d in stream.feed(tricky[i : i + 5])]
+    deltas += stream.finish()
+    [call] = [d["tool_calls"][0] for d in deltas]
+    assert json.loads(call["function"]["arguments"]) == {"s": "a</tool_call>b"}
+    assert not any("content" in d for d in deltas)

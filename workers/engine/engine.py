@@ -466,6 +466,14 @@ class LLMEngine:
                 if req is not None:
                     results += self._ended_with_error(req, error)
             return results
+        # A sequence whose grammar broke this step ends in error, not on the EOS it was given.
+        broken = self.runner.grammar.take_failed() if self.runner.grammar is not None else {}
+        for rid, why in broken.items():
+            req = self.scheduler.finish_request(
+                rid, RequestStatus.FINISHED_ERROR, why, ErrorKind.GRAMMAR
+            )
+            if req is not None:
+                results += self._ended_with_error(req, why)
         for req, new_ids in self.scheduler.update_from_output(out, sampled):
             results.append(self._output(req, new_ids))
         if self.runner.grammar is not None and len(self.runner.grammar):

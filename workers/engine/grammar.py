@@ -26,6 +26,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from workers.engine.constraint import Constraint, ConstraintKind
@@ -53,9 +54,21 @@ def _llguidance():
 
 def grammar_text(c: Constraint) -> str:
     """The constraint as llguidance's grammar (not yet checked)."""
+    try:
+        return _grammar_text(c)
+    except GrammarError:
+        raise
+    except Exception as e:  # the converters raise their own error types
+        raise GrammarError(f"constraint.{c.kind.value}: {_first_line([e])}") from None
+
+
+def _grammar_text(c: Constraint) -> str:
     M = _llguidance().LLMatcher
     if c.kind is ConstraintKind.JSON_SCHEMA:
-        schema = closed_objects(json.loads(c.text))
+        schema = json.loads(c.text)
+        if schema is False:
+            raise GrammarError("constraint.json_schema: false allows nothing")
+        schema = closed_objects({} if schema is True else schema)
         return M.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_STYLE)
     if c.kind is ConstraintKind.JSON_OBJECT:
         return M.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_STYLE)
@@ -67,15 +80,14 @@ def grammar_text(c: Constraint) -> str:
         )
     from llguidance.gbnf_to_lark import any_to_lark
 
-    try:
-        return M.grammar_from_lark(any_to_lark(c.text))
-    except Exception as e:  # the GBNF converter raises its own error types
-        raise GrammarError(f"constraint.grammar: {e}") from None
+    return M.grammar_from_lark(any_to_lark(c.text))
 
 
-_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+# Where closing an object keeps the schema's meaning: not inside allOf (its branches may split
+# one object's properties between them), not, if/then/else or contains.
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
-_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SCHEMA_ONE = ("items", "additionalProperties")
 
 
 def closed_objects(schema):
@@ -86,9 +98,9 @@ def closed_objects(schema):
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    if "properties" in out and "additionalProperties" not in out:
-        if "patternProperties" not in out:
-            out["additionalProperties"] = False
+    combined = any(k in out for k in ("allOf", "patternProperties", "unevaluatedProperties"))
+    if "properties" in out and "additionalProperties" not in out and not combined:
+        out["additionalProperties"] = False
     for key in _SCHEMA_ONE:
         if key in out:
             out[key] = closed_objects(out[key])
@@ -110,47 +122,54 @@ class GrammarCompiler:
         llg = _llguidance()
         self.tokenizer = llg.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
         self.vocab_size = vocab_size
-        self._cache: OrderedDict[Constraint, str] = OrderedDict()
+        # By constraint: its grammar and a matcher at its start, copied for each sequence (its
+        # lexer built once).
+        self._cache: OrderedDict[Constraint, tuple[str, object]] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self.hits = self.compiles = 0
         self.compile_seconds = 0.0
 
     def grammar(self, c: Constraint) -> str:
+        return self._compiled(c)[0]
+
+    def matcher(self, c: Constraint):
+        """A matcher at the constraint's start, of the sequence's own."""
+        return self._compiled(c)[1].deep_copy()
+
+    def _compiled(self, c: Constraint) -> tuple[str, object]:
         with self._lock:
-            text = self._cache.get(c)
-            if text is not None:
+            entry = self._cache.get(c)
+            if entry is not None:
                 self._cache.move_to_end(c)
                 self.hits += 1
-                return text
+                return entry
         started = time.perf_counter()
-        text = self._check(c, grammar_text(c))
+        entry = self._check(c, grammar_text(c))
         with self._lock:
             self.compiles += 1
             self.compile_seconds += time.perf_counter() - started
-            self._cache[c] = text
+            self._cache[c] = entry
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        return text
+        return entry
 
-    def _check(self, c: Constraint, text: str) -> str:
+    def _check(self, c: Constraint, text: str) -> tuple[str, object]:
         llg = _llguidance()
         failed, messages = llg.LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
         if failed:
             raise GrammarError(f"constraint.{c.kind.value}: {_first_line(messages)}")
         # The first mask builds the lexer: a grammar that runs out of fuel doing so is refused
         # here, not on a worker's loop.
-        m = llg.LLMatcher(self.tokenizer, text)
-        mask = torch.zeros((self.vocab_size + 31) // 32, dtype=torch.int32)
-        m.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
-        if m.is_error():
-            raise GrammarError(f"constraint.{c.kind.value}: {_first_line([m.get_error()])}")
-        if not bool(mask.any()):
+        pristine = llg.LLMatcher(self.tokenizer, text)
+        probe = pristine.deep_copy()
+        mask = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
+        probe.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if probe.is_error():
+            raise GrammarError(f"constraint.{c.kind.value}: {_first_line([probe.get_error()])}")
+        if not mask.any():
             raise GrammarError(f"constraint.{c.kind.value}: no token can begin it")
-        return text
-
-    def matcher(self, c: Constraint):
-        return _llguidance().LLMatcher(self.tokenizer, self.grammar(c))
+        return text, pristine
 
 
 def _first_line(messages) -> str:
@@ -164,10 +183,10 @@ def _first_line(messages) -> str:
 class _Track:
     """One sequence's matcher and the tokens it has consumed."""
 
-    matcher: object
+    constraint: Constraint
+    matcher: object | None  # None: its constraint does not compile here
     source: list[int]  # the output list it follows (the sequence's own)
     tokens: list[int] = field(default_factory=list)
-    warned: bool = False
 
 
 @dataclass
@@ -188,6 +207,7 @@ class GrammarMasks:
     def __init__(self, compiler: GrammarCompiler, eos_token_ids, device: torch.device) -> None:
         self.compiler = compiler
         self.eos_token_ids = list(eos_token_ids)
+        self._eos = frozenset(eos_token_ids)
         self.device = device
         self._tracks: dict[str, _Track] = {}
         self._shifts = torch.arange(32, dtype=torch.int32, device=device)
@@ -198,6 +218,9 @@ class GrammarMasks:
         self._executor = (
             _llguidance().LLExecutor(num_threads=min(8, cores // 2)) if cores > 8 else None
         )
+        # Sequences whose grammar broke (a constraint that does not compile here, a token it
+        # refuses, its fuel spent): id -> why. The engine ends them in error.
+        self.failed: dict[str, str] = {}
         self.constrained_requests = 0  # sequences that got a matcher (lifetime)
         self.mask_steps = 0
         self.mask_seconds = 0.0
@@ -207,27 +230,30 @@ class GrammarMasks:
         those tokens precede this draw)."""
         started = time.perf_counter()
         words = (self.compiler.vocab_size + 31) // 32
-        bitmask = torch.zeros((len(rows), words), dtype=torch.int32)
-        matchers, accepting = [], []
+        # numpy: a torch op here could start an OpenMP team beside the model's (see below).
+        bits = np.zeros((len(rows), words), dtype=np.int32)
+        matchers = []
         for i, (_, seq_id, c, out, n) in enumerate(rows):
-            try:
-                m = self._caught_up(seq_id, c, out, n).matcher
-            except Exception:  # the router compiled it: only a broken install gets here
-                log.exception("%s: its constraint does not compile here: it ends now", seq_id)
-                accepting.append(True)  # EOS alone
-                continue
-            matchers.append((m, i))
-            accepting.append(m.is_accepting() or m.is_error())
-        if self._executor is not None and len(rows) > 1:
+            m = self._caught_up(seq_id, c, out, n).matcher
+            if m is not None and not m.is_error():
+                matchers.append((m, i))
+        if self._executor is not None and len(matchers) > 1:
             self._executor.unsafe_compute_mask_ptr(
-                matchers, bitmask.data_ptr(), words * 4, len(rows)
+                matchers, bits.ctypes.data, words * 4, len(matchers)
             )
         else:
             for m, i in matchers:
-                m.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), words * 4)
+                m.unsafe_compute_mask_ptr(bits[i].ctypes.data, words * 4)
+        # After the masks: filling one may stop the matcher (its fuel spent: EOS alone).
+        accepting = [True] * len(rows)  # a failed grammar: EOS alone, and the engine fails it
+        for m, i in matchers:
+            if m.is_error():
+                self._fail(rows[i][1], f"its grammar failed: {m.get_error()}")
+            else:
+                accepting[i] = m.is_accepting() or m.is_stopped()
         # Unpacked on the loop's thread (`allowed`): torch ops on this one, while the model
         # computes, oversubscribe the CPU's OpenMP threads (a batch-1 step went 17 -> 29 ms).
-        masks = Masks([r[0] for r in rows], bitmask, accepting, 0.0)
+        masks = Masks([r[0] for r in rows], torch.from_numpy(bits), accepting, 0.0)
         masks.seconds = time.perf_counter() - started
         self.mask_steps += 1
         self.mask_seconds += masks.seconds
@@ -243,12 +269,19 @@ class GrammarMasks:
         if eos:
             ends = torch.tensor(masks.accepting, device=self.device)
             allowed[:, eos] = ends[:, None]
+            # Never a row with nothing to draw (it would draw token 0, or NaN): EOS then.
+            allowed[:, eos] |= ~allowed.any(dim=1, keepdim=True)
         return allowed
+
+    def take_failed(self) -> dict[str, str]:
+        """The sequences whose grammar broke since the last call, and why."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def advance(self, seq_id: str, token: int) -> None:
         """A sequence drew `token`: its matcher takes it now, so the next mask starts there."""
         tr = self._tracks.get(seq_id)
-        if tr is not None and not tr.matcher.is_error():
+        if tr is not None:
             self._consume(seq_id, tr, [token])
 
     def retain(self, live) -> None:
@@ -262,10 +295,17 @@ class GrammarMasks:
     def _caught_up(self, seq_id: str, c: Constraint, out: list[int], n: int) -> _Track:
         tr = self._tracks.get(seq_id)
         done = len(tr.tokens) if tr is not None else 0
-        if tr is not None and (done > n or (tr.source is not out and out[:done] != tr.tokens)):
+        if tr is not None and (
+            done > n or tr.constraint != c or (tr.source is not out and out[:done] != tr.tokens)
+        ):
             tr = None  # not this sequence's history (a new request under an old id)
         if tr is None:
-            tr = self._tracks[seq_id] = _Track(self.compiler.matcher(c), out)
+            try:
+                matcher = self.compiler.matcher(c)
+            except Exception as e:  # the router compiled it: only another install gets here
+                matcher = None
+                self._fail(seq_id, f"its constraint does not compile here: {e}")
+            tr = self._tracks[seq_id] = _Track(c, matcher, out)
             self.constrained_requests += 1
             done = 0
         tr.source = out
@@ -275,15 +315,13 @@ class GrammarMasks:
 
     def _consume(self, seq_id: str, tr: _Track, tokens: list[int]) -> None:
         for t in tokens:
-            if not tr.matcher.consume_token(t):
-                if not tr.warned:
-                    log.warning(
-                        "%s: token %d breaks its grammar (%s): only EOS may follow",
-                        seq_id,
-                        t,
-                        tr.matcher.get_error(),
-                    )
-                    tr.warned = True
-                tr.tokens.append(t)
-                return
             tr.tokens.append(t)
+            if tr.matcher is None or tr.matcher.is_error() or t in self._eos:
+                continue  # failed already; EOS ends the sequence, whichever id it is
+            if not tr.matcher.consume_token(t):
+                self._fail(seq_id, f"token {t} breaks its grammar ({tr.matcher.get_error()})")
+
+    def _fail(self, seq_id: str, why: str) -> None:
+        if seq_id not in self.failed:
+            log.error("%s: %s; it ends in error", seq_id, why)
+            self.failed[seq_id] = why

@@ -132,33 +132,37 @@ class ModelRunner:
                     samplers.append(fork_row(s, i))
         # Constrained rows' masks are built on a helper thread while the model runs.
         masks = self._start_masks(samplers)
-        if self._replays(out, layer_done):
-            tables = [s.block_ids for s in out.decodes]
-            lens = [s.context_len for s in out.decodes]
-            hidden = self.graphs.run(input_ids, positions, slots, tables, lens)
-        else:
-            hidden = self._forward(
-                torch.tensor(input_ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev),
-                self._metadata(out, slots),
-                layer_done,
-            )
-        if not rows:
-            return []
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
-        t = sampling_tensors(samplers, logits.shape[-1], dev)
-        if masks is not None:
-            filled = masks.result()
-            t.allowed = (
-                torch.tensor(filled.rows, dtype=torch.long, device=dev),
-                self.grammar.allowed(filled, logits.shape[-1]),
-            )
-        result = sample(logits, t)
-        ids = result.token_ids.tolist()
-        if masks is not None:
-            for s, tok in zip(samplers, ids):
-                if s.sampling.constraint is not None:
-                    self.grammar.advance(s.request_id, tok)
+        try:
+            if self._replays(out, layer_done):
+                tables = [s.block_ids for s in out.decodes]
+                lens = [s.context_len for s in out.decodes]
+                hidden = self.graphs.run(input_ids, positions, slots, tables, lens)
+            else:
+                hidden = self._forward(
+                    torch.tensor(input_ids, dtype=torch.long, device=dev),
+                    torch.tensor(positions, dtype=torch.long, device=dev),
+                    self._metadata(out, slots),
+                    layer_done,
+                )
+            if not rows:
+                return []
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
+            t = sampling_tensors(samplers, logits.shape[-1], dev)
+            if masks is not None:
+                filled = masks.result()
+                t.allowed = (
+                    torch.tensor(filled.rows, dtype=torch.long, device=dev),
+                    self.grammar.allowed(filled, logits.shape[-1]),
+                )
+            result = sample(logits, t)
+            ids = result.token_ids.tolist()
+            if masks is not None:
+                for s, tok in zip(samplers, ids):
+                    if s.sampling.constraint is not None:
+                        self.grammar.advance(s.request_id, tok)
+        finally:  # a step that raised leaves no fill running beside the next one
+            if masks is not None:
+                masks.exception()
         lps = result.logprobs.tolist() if result.logprobs is not None else [None] * len(ids)
         tops = [None] * len(ids)
         if result.top_ids is not None:
@@ -308,9 +312,10 @@ def sampling_tensors(reqs: list[ScheduledRequest], vocab: int, dev) -> SamplingT
     for i, s in enumerate(reqs):
         sp = s.sampling
         edits += [(i, token, bias) for token, bias in sp.logit_bias if token < vocab]
-        # A constrained row's grammar alone says where EOS may come.
-        if s.num_output_tokens < sp.min_tokens and sp.constraint is None:
-            banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(s.eos_token_ids))
+        if s.num_output_tokens < sp.min_tokens:
+            # A constrained row's grammar alone says where EOS may come.
+            free = sp.ignore_eos or sp.constraint is not None
+            banned = set(sp.stop_token_ids) | (set() if free else set(s.eos_token_ids))
             edits += [(i, token, float("-inf")) for token in sorted(banned) if token < vocab]
     if edits:
         rows, cols, values = zip(*edits)

@@ -47,6 +47,7 @@ class ErrorKind(str, enum.Enum):
 
     TOO_BIG = "too_big"  # needs more KV blocks than the worker has in all
     STEP_FAILED = "step_failed"  # the model step it was in raised
+    GRAMMAR = "grammar"  # its constraint failed here (fuel spent, or it does not compile)
 
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM's default
