@@ -11,7 +11,7 @@ import pytest
 from router.api import tandem_pb2 as pb
 from router.http import OpenAIFront, start_http
 from router.keys import KeyRing
-from tests.integration.harness import CHATS, one_by_one
+from tests.integration.harness import CHATS, offline_reference, one_by_one
 
 pytestmark = pytest.mark.integration
 
@@ -354,3 +354,26 @@ def test_a_bad_schema_is_refused_before_any_worker(cluster, client):
     )
     assert r.status == "INVALID_ARGUMENT" and "unclosed group" in r.error
     assert cluster.status()["router"]["in_flight"] == before
+
+
+def test_constrained_greedy_output_equals_the_offline_engine(cluster):
+    """G4 for constrained requests: the prefill worker's first token under the grammar and
+    the decode worker's matcher rebuilt from it give the offline engine's tokens."""
+    from workers.completion import GenerationRequest
+    from workers.engine.constraint import Constraint, ConstraintKind
+    from workers.engine.request import SamplingParams
+
+    constraints = [
+        Constraint.json_schema(PERSON),
+        Constraint(ConstraintKind.REGEX, r"[A-Z][a-z]+ (is|was) [a-z ]{5,40}\."),
+        Constraint(ConstraintKind.CHOICE, choices=("Paris", "London", "Rome")),
+    ]
+    requests = [
+        GenerationRequest(
+            prompt=CHATS[i], sampling=SamplingParams(max_tokens=96, temperature=0, constraint=c)
+        )
+        for i, c in enumerate(constraints)
+    ]
+    got = cluster.generate_many(requests)
+    assert all(r.status == "OK" for r in got), [r.error for r in got]
+    assert [r.token_ids for r in got] == offline_reference(requests)
