@@ -230,6 +230,8 @@ class OpenAIFront:
                 validate, msg, self.tokenizer, self.max_model_len, self.vocab_size, self.grammars
             )
         except (InvalidRequest, ValueError) as e:
+            if tools is not None:  # the tools' grammar: their parameters' schemas
+                raise HttpError(400, f"tools: {e}", "tools") from None
             raise HttpError(400, str(e)) from None
         client_id, tenant = adm.request_id, request.get(TENANT)
         if tenant is not None:  # the key's tenant, never the body's

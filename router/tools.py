@@ -43,7 +43,7 @@ class FieldError(ValueError):
 @dataclass(frozen=True)
 class Tools:
     """The declared functions ({"name", "description", "parameters"}) and how the model may
-    use them: "auto", "required", or one function's name."""
+    use them: "auto" (calls or text), "required" (calls), or `named` (one call of it)."""
 
     functions: tuple[dict, ...]
     choice: str  # "auto" or "required"

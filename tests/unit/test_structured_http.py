@@ -138,6 +138,14 @@ NAMED_NOPE = {"type": "function", "function": {"name": "nope"}}
         (dict(tools=[WEATHER], tool_choice=NAMED_NOPE), "nope"),
         (dict(tools=[WEATHER, WEATHER]), "distinct"),
         (dict(tool_choice="required"), "needs tools"),
+        (
+            dict(
+                tools=[
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}
+                ]
+            ),
+            "tools: .*wat",
+        ),
     ],
 )
 def test_a_bad_constraint_is_a_400_naming_it_before_the_router_is_touched(tokenizer, extra, named):
