@@ -2,7 +2,8 @@
 
     step = schedule -> execute on the model -> update bookkeeping -> apply stop strings
 
-The engine holds no threads; the offline API and the workers drive `step()` in their loops.
+The engine holds no threads but the one that builds constrained rows' masks while a step's
+model runs (grammar.py); the offline API and the workers drive `step()` in their loops.
 Disaggregation uses it through a small API, never through the scheduler or block pool:
 
 - prefill side: `add_request(..., stop_after=n + 1, keep_kv=True)` samples one token past
