@@ -22,13 +22,11 @@ import uuid
 from dataclasses import dataclass
 
 from router.api import tandem_pb2 as pb
-from workers.engine.grammar import closed_objects
+from workers.engine.grammar import JSON_STYLE, closed_objects
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-# As the engine writes JSON (grammar.py): json.dumps's separators, no free whitespace.
-_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
@@ -66,7 +64,7 @@ class Tools:
                 }
                 for f in allowed
             ],
-            "x-guidance": _JSON_STYLE,
+            "x-guidance": JSON_STYLE,  # as the engine writes JSON
         }
         rules = [
             'calls: call ("\\n" call)*' if self.parallel else "calls: call",

@@ -8,12 +8,12 @@ import json
 
 import openai
 import pytest
-from aiohttp.test_utils import TestServer
 
-from router.http import OpenAIFront
 from router.stream import Chunk
 from router.tools import CallStream, parse_calls
+from tests.unit.test_http_front import serve as serve_front
 from workers.engine.constraint import ConstraintKind
+from workers.messages import Status
 from workers.model.loader import resolve_model
 from workers.model.tokenizer import Tokenizer
 
@@ -63,19 +63,8 @@ def tokenizer(tiny_llama_dir):
 
 
 def serve(router, body):
-    async def run():
-        front = OpenAIFront(router, "m", 2048, 49152)
-        server = TestServer(front.app())
-        await server.start_server()
-        try:
-            client = openai.AsyncOpenAI(
-                base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0
-            )
-            return await body(client)
-        finally:
-            await server.close()
-
-    return asyncio.run(run())
+    """The front over `router`, called by the official client in `body`."""
+    return asyncio.run(serve_front(router.tokenizer, Status.OK, router=router)(body))
 
 
 CHAT = dict(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=32)

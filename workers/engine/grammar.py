@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 # JSON as json.dumps writes it (", " and ": "), no free whitespace: a model that may put any
 # whitespace anywhere can loop on newlines until max_tokens.
-_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 256  # compiled grammars kept, by constraint
 
 
@@ -69,9 +69,9 @@ def _grammar_text(c: Constraint) -> str:
         if schema is False:
             raise GrammarError("constraint.json_schema: false allows nothing")
         schema = closed_objects({} if schema is True else schema)
-        return M.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_STYLE)
+        return M.grammar_from_json_schema(json.dumps(schema), defaults=JSON_STYLE)
     if c.kind is ConstraintKind.JSON_OBJECT:
-        return M.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_STYLE)
+        return M.grammar_from_json_schema('{"type": "object"}', defaults=JSON_STYLE)
     if c.kind is ConstraintKind.REGEX:
         return M.grammar_from_regex(c.text)
     if c.kind is ConstraintKind.CHOICE:
