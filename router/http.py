@@ -60,6 +60,7 @@ from router.validation import (
     message_bytes_limit,
     validate,
 )
+from workers.engine.constraint import Constraint, ConstraintKind
 from workers.messages import Status
 
 log = logging.getLogger(__name__)
@@ -213,8 +214,14 @@ class OpenAIFront:
                 raise FieldError("tools", "served on /v1/chat/completions")
             tools = read_tools(body) if chat else None
             constraint = body_constraint(body, tools)
+            if tools is not None:  # their parameters' schemas, refused as the tools'
+                await asyncio.to_thread(
+                    self.grammars.compile, Constraint(ConstraintKind.GRAMMAR, tools.grammar())
+                )
         except FieldError as e:
             raise HttpError(400, str(e), e.param) from None
+        except InvalidRequest as e:
+            raise HttpError(400, f"tools: {e}", "tools") from None
         # In a thread: a long prompt's tokenizing must not hold the event loop.
         ids = await asyncio.to_thread(self._prompt_ids, body, chat, tools)
         try:
@@ -230,8 +237,6 @@ class OpenAIFront:
                 validate, msg, self.tokenizer, self.max_model_len, self.vocab_size, self.grammars
             )
         except (InvalidRequest, ValueError) as e:
-            if tools is not None:  # the tools' grammar: their parameters' schemas
-                raise HttpError(400, f"tools: {e}", "tools") from None
             raise HttpError(400, str(e)) from None
         client_id, tenant = adm.request_id, request.get(TENANT)
         if tenant is not None:  # the key's tenant, never the body's

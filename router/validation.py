@@ -98,19 +98,25 @@ class GrammarCheck:
             return self._compiler
 
     def __call__(self, c: Constraint) -> None:
+        """Compile `c` (InvalidRequest naming its problem) and count the request."""
+        hit, seconds = self.compile(c)
+        m = self._metrics
+        if m is not None:
+            m.constrained.inc(1, {**m.tags, "kind": c.kind.value})
+            if hit:
+                m.grammar_cache_hits.inc(1, m.tags)
+            else:
+                m.grammar_compile.observe(seconds, m.tags)
+
+    def compile(self, c: Constraint) -> tuple[bool, float]:
+        """Compile `c`, uncounted: (whether it was cached, seconds)."""
         compiler = self.compiler
         hits, started = compiler.hits, time.perf_counter()
         try:
             compiler.grammar(c)
         except GrammarError as e:
             raise InvalidRequest(f"sampling.{e}") from None
-        m = self._metrics
-        if m is not None:
-            m.constrained.inc(1, {**m.tags, "kind": c.kind.value})
-            if compiler.hits > hits:
-                m.grammar_cache_hits.inc(1, m.tags)
-            else:
-                m.grammar_compile.observe(time.perf_counter() - started, m.tags)
+        return compiler.hits > hits, time.perf_counter() - started
 
 
 def constraint_of(s: pb.SamplingParams) -> Constraint | None:
