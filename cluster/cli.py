@@ -226,9 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
         "tenants",
         help="read or change the tenants' weights, caps, quotas, tiers and max waits",
         description="Prints each tenant's policy and what it holds on the router; with --set, "
-        "changes a tenant's fields first, on that router, from its next admission on (the "
-        "entry 'default' stands for every tenant not named). A field set to 'none' goes "
-        "back to the default entry's.",
+        "changes a tenant's fields first, from each router's next admission on (the entry "
+        "'default' stands for every tenant not named). A change is shared through Redis: it "
+        "holds at every router of the cluster, and across their restarts, until --reset "
+        "puts the tenant back to the config's policy. A field set to 'none' goes back to "
+        "the default entry's.",
     )
     te.add_argument("--address", required=True)
     te.add_argument(
@@ -238,6 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar=("TENANT", "FIELD=VALUE,..."),
         help="e.g. --set gold weight=4,tier=0,tokens_per_minute=60000 (repeatable)",
+    )
+    te.add_argument(
+        "--reset",
+        action="append",
+        default=[],
+        metavar="TENANT",
+        help="undo every run-time change of a tenant: back to the config's (repeatable; "
+        "applied before --set)",
     )
     te.add_argument("--json", action="store_true")
     add_client_flags(te)

@@ -167,12 +167,13 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     return asyncio.run(_tenants(args))
 
 
-def tenant_request(sets: list[tuple[str, str]]):
-    """A TenantsRequest from --set TENANT FIELD=VALUE,... pairs ('none' unsets max_wait_s)."""
+def tenant_request(sets: list[tuple[str, str]], resets: list[str] = ()):
+    """A TenantsRequest from --set TENANT FIELD=VALUE,... pairs ('none' unsets max_wait_s)
+    and --reset TENANT names."""
     from router.api import tandem_pb2 as pb
     from router.tenants import POLICY_TYPES as TENANT_FIELDS
 
-    request = pb.TenantsRequest()
+    request = pb.TenantsRequest(reset=resets)
     for name, fields in sets:
         p = request.set.add(name=name)
         for item in filter(None, (f.strip() for f in fields.split(","))):
@@ -198,7 +199,7 @@ async def _tenants(args) -> int:
     from router.client import TandemClient, tenants_to_dict
 
     try:
-        request = tenant_request(args.set)
+        request = tenant_request(args.set, args.reset)
     except ValueError as e:
         print(f"tandem tenants: --set {e}", file=sys.stderr)
         return 2

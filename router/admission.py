@@ -7,11 +7,15 @@
 
 `AdmissionControl` owns the tenants (router/tenants.py), the predictor (router/predictor.py)
 and the slots. The Router calls it for each request; the Admin call `Tenants` and `tandem
-status` read it. Used from the router's event loop alone.
+status` read it. The tenants' run-time changes go through the store, when there is one: the
+router that takes the change writes it there, and every router reads it back at its next
+controller round (router/controller.py), so a change holds at every router, and across their
+restarts, until it is reset. Used from the router's event loop alone.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 from router.config import RouterConfig
@@ -19,11 +23,14 @@ from router.errors import RouterError
 from router.fair import FairQueue, Ticket
 from router.metrics import RouterMetrics
 from router.predictor import LengthPredictor
+from router.store import RequestRecord
 from router.stream import Chunk
 from router.tenants import DEFAULT, Tenant, TenantTable
 from router.validation import Admission
 from workers.engine.request import Tenancy
 from workers.messages import RequestSpec, Status
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ class AdmissionControl:
         self.tenants = TenantTable(config.tenants)
         self.predictor = LengthPredictor()
         self.slots = FairQueue(config.max_in_flight, self.tenants)  # n choices take n
+        self._tenants_version = 0  # of the overrides read from the store (0: none)
         self.configure(config)
 
     def configure(self, c: RouterConfig) -> None:
@@ -53,16 +61,36 @@ class AdmissionControl:
         q.aging_per_s, q.max_wait_s = c.admission_aging_per_s, c.admission_max_wait_s
         q.recheck()
 
-    def update(self, changes: dict[str, dict]) -> None:
-        """Change tenants' policies ({tenant: {field: value}}), all or none (ValueError
-        naming the field), then let the waiting requests see them."""
-        before = self.tenants.config
-        try:
-            for tenant, fields in changes.items():
-                self.tenants.update(tenant, **fields)
-        except ValueError:
-            self.tenants.config = before
-            raise
+    def update(self, changes: dict[str, dict], resets=()) -> None:
+        """Change tenants' policies on this router alone: `resets` back to the config's, then
+        `changes` ({tenant: {field: value}}), all or none (ValueError naming the field); the
+        waiting requests then see them."""
+        self.tenants.set_overrides(self.tenants.with_changes(changes, resets))
+        self.slots.recheck()
+
+    async def change(self, store, changes: dict[str, dict], resets=()) -> None:
+        """Change tenants' policies as `update` does, on every router of the store: written
+        there (ConnectionError when it cannot be, and then nothing changed anywhere), then
+        read back here at once; the other routers read it at their next `sync`."""
+        self.tenants.with_changes(changes, resets)  # refused here, before it reaches anyone
+        if store is None:
+            self.update(changes, resets)
+            return
+        await store.change_tenants(changes, list(resets))
+        await self.sync(store)
+
+    async def sync(self, store) -> None:
+        """Take up the tenants' overrides in the store if they changed since last read."""
+        if await store.tenants_version() == self._tenants_version:
+            return
+        version, overrides = await store.tenants()
+        if version == self._tenants_version:
+            return
+        bad = self.tenants.set_overrides(overrides)
+        for why in bad.values():
+            log.error("tenants' changes in the store: left out %s", why)
+        log.info("tenants' changes (version %d): %s", version, self.tenants.overrides)
+        self._tenants_version = version
         self.slots.recheck()
 
     def ticket(self, adm: Admission) -> tuple[Ticket, RequestSpec]:
@@ -132,14 +160,16 @@ class AdmissionControl:
                       ticket.predicted_tokens, made[chunk.index])  # fmt: skip
             self.metrics.length_error.set(p.mean_abs_error or 0.0, self.metrics.tags)
 
-    def tenancy(self, tenant: str) -> Tenancy:
-        """A tenant's tenancy with no prediction or target (a request adopted from its
-        record, which keeps neither)."""
+    def tenancy(self, rec: RequestRecord) -> Tenancy:
+        """The tenancy of a request adopted from its record: its tenant's policy now, with
+        the prediction and TPOT target its admission gave it."""
         try:
-            pol = self.tenants.policy(tenant or DEFAULT)
+            pol = self.tenants.policy(rec.tenant or DEFAULT)
         except ValueError:  # a record from before tenant names were checked
             pol = self.tenants.policy(DEFAULT)
-        return Tenancy(pol.name, pol.weight, pol.tier)
+        return Tenancy(
+            pol.name, pol.weight, pol.tier, rec.predicted_tokens or None, rec.tpot_slo_ms or None
+        )
 
     def states(self) -> list[TenantState]:
         """Each named tenant's policy and holdings, and every other tenant active now."""

@@ -3,7 +3,8 @@ the `controller` lease in the store. Every router, every `interval_s`:
 
 1. writes its heartbeat (its id and gRPC address, with a TTL);
 2. takes or renews the lease, or learns who holds it;
-3. as the controller: has the pool manager replace dead workers (pools heal), and adopts the
+3. takes up the tenants' changes another router wrote to the store (router/admission.py);
+4. as the controller: has the pool manager replace dead workers (pools heal), and adopts the
    requests whose router's heartbeat lapsed (their drivers start here, watching first);
    otherwise: picks up the workers the controller started.
 
@@ -82,6 +83,7 @@ class Controller:
                 if not self.leader:
                     holder = await store.lease_holder(LEASE)
                     self.leader_address = (await store.live_routers()).get(holder or "")
+                await asyncio.wait_for(router.admission.sync(store), self.ttl_s)
             except (ConnectionError, TimeoutError) as e:  # store away: keep the role we had
                 log.debug("controller: store unreachable (%s)", e)
         directory = router.fleet.directory

@@ -224,6 +224,8 @@ class Router:
                 tenant,
                 owner=self.id,
                 choices=len(specs),
+                predicted_tokens=c.tenancy.predicted_tokens or 0.0,
+                tpot_slo_ms=c.tenancy.tpot_slo_ms or 0.0,
             )
             try:
                 await self.records.create(rec)
@@ -334,7 +336,7 @@ class Router:
             rec.sampling,
             rec.attempt + 1,
             priority=rec.priority,
-            tenancy=self.admission.tenancy(rec.tenant),
+            tenancy=self.admission.tenancy(rec),
         )
         index = choice_index(rec.request_id)
         stream = RequestStream.open(rec.request_id, self.tokenizer, spec.sampling.stop, index=index)

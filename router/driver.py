@@ -133,6 +133,8 @@ class RequestDriver:
             error,
             tuple(self.failures),
             self.choices,
+            self.spec.tenancy.predicted_tokens or 0.0,
+            self.spec.tenancy.tpot_slo_ms or 0.0,
         )
 
     # -- the attempts -----------------------------------------------------------------------

@@ -252,18 +252,28 @@ class AdminService(pb_grpc.AdminServicer):
         return out
 
     async def Tenants(self, request, context):
-        """Read the tenants; with `set`, change them on this router first (each router
-        admits its own requests: send the change to each)."""
+        """Read the tenants; with `set` or `reset`, change them first, on every router of
+        this store (or on this router alone, without one)."""
         try:
             _reject_malformed(request)
             admission = self.router.admission
             changes: dict[str, dict] = {}
             for p in request.set:
                 changes.setdefault(p.name, {}).update(convert.tenant_changes(p))
+            resets = list(request.reset)
+            store = self.router.records.store
             try:
-                admission.update(changes)  # all or none
+                await admission.change(store, changes, resets)  # all or none
             except ValueError as e:
                 raise RouterError(Status.INVALID_ARGUMENT, str(e)) from None
+            except (ConnectionError, TimeoutError) as e:
+                raise RouterError(
+                    Status.UNAVAILABLE,
+                    f"the store at {store.where} is unreachable ({e}): the tenants are shared "
+                    "through it, and nothing changed; retry",
+                ) from None
+            for name in resets:
+                log.warning("tenant %s reset: %s", name, admission.tenants.policy(name))
             for name in changes:
                 log.warning("tenant %s changed: %s", name, admission.tenants.policy(name))
             error = admission.predictor.mean_abs_error

@@ -48,6 +48,10 @@ class RequestRecord:
     # n > 1: how many choices the request has. Each has a record of its own, under
     # `choice_id(request_id, index)`, with its own seed and n = 1.
     choices: int = 1
+    # What admission promised it (its tenancy's): kept so that a router adopting it schedules
+    # it as its own router did. 0: none.
+    predicted_tokens: float = 0.0
+    tpot_slo_ms: float = 0.0
 
 
 class BeginResult(str, enum.Enum):
@@ -106,6 +110,17 @@ class RequestStore(Protocol):
         """Take or renew a lease; True while `holder` has it."""
 
     async def lease_holder(self, name: str) -> str | None: ...
+
+    async def change_tenants(self, changes: dict[str, dict], resets: list[str]) -> int:
+        """Reset the tenants' overrides named in `resets`, then merge `changes` ({tenant:
+        {field: value}}) into theirs, at once for every router of the store; returns the
+        overrides' new version."""
+
+    async def tenants_version(self) -> int:
+        """The overrides' version: it changes at every change (0: none ever)."""
+
+    async def tenants(self) -> tuple[int, dict[str, dict]]:
+        """The overrides, {tenant: {field: value}}, and their version."""
 
     def token_log(self) -> TokenLog:
         """A picklable writer for decode workers, onto the same store."""

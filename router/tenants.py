@@ -13,8 +13,12 @@ tenant has a policy (`Tenant`):
 
 `TenantsConfig` is the config tree's form: one mapping per field, tenant name to value, the
 entry `default` standing for every tenant not named (so every field is also a flag:
-`--tenants-weight default=1,gold=4`). `TenantTable` is the running form, changed at run time by
-the Admin call `Tenants` (`tandem tenants`). Used from the router's event loop alone.
+`--tenants-weight default=1,gold=4`). `TenantTable` is the running form: that config with the
+changes made at run time by the Admin call `Tenants` (`tandem tenants`) on top, its
+`overrides` ({tenant: {field: value}}, a value None unsetting the field). Routers sharing a
+store share their overrides through it (router/admission.py), so a change made at one router
+holds at every router, and across their restarts, until it is reset. Used from the router's
+event loop alone.
 """
 
 from __future__ import annotations
@@ -164,7 +168,9 @@ class TenantTable:
     a tenant is served: each is built once per config, not at every lookup."""
 
     def __init__(self, config: TenantsConfig | None = None, clock=time.monotonic) -> None:
-        self.config = config or TenantsConfig()
+        self.base = config or TenantsConfig()  # the config tree's, before any override
+        self.overrides: dict[str, dict] = {}
+        self.config = self.base
         self.clock = clock
         self._buckets: dict[str, TokenBucket] = {}
 
@@ -189,20 +195,28 @@ class TenantTable:
         return sorted(self.config.names())
 
     def update(self, tenant: str, **changes) -> Tenant:
-        """Change a tenant's policy (or, for `default`, every unnamed tenant's) from now on."""
-        unknown = set(changes) - set(POLICY_FIELDS)
-        if unknown:
-            raise ValueError(f"unknown tenant field(s): {', '.join(sorted(unknown))}")
-        tables = {}
-        for name, value in changes.items():
-            table = dict(getattr(self.config, name))
-            if value is None:
-                table.pop(tenant, None)
-            else:
-                table[tenant] = value
-            tables[name] = table
-        self.config = replace(self.config, **tables)  # validates, or raises naming the field
+        """Change a tenant's policy (or, for `default`, every unnamed tenant's) from now on,
+        on this table alone."""
+        self.set_overrides(self.with_changes({tenant: changes}))
         return self.policy(tenant)
+
+    def with_changes(self, changes: dict[str, dict], resets=()) -> dict[str, dict]:
+        """The overrides once the tenants in `resets` are back to the config's and then
+        `changes` ({tenant: {field: value}}) are made; ValueError naming the tenant and the
+        field if that makes a policy that cannot be."""
+        overrides = {t: dict(f) for t, f in self.overrides.items() if t not in set(resets)}
+        for tenant, changed in changes.items():
+            overrides.setdefault(tenant, {}).update(changed)
+        overridden_all(self.base, overrides)  # raises if a policy cannot be
+        return overrides
+
+    def set_overrides(self, overrides: dict[str, dict]) -> dict[str, str]:
+        """Run by these overrides from now on. A tenant's entry that cannot be (a store
+        written by another version) is left out, not the others: returns those left out,
+        tenant -> why."""
+        self.config, bad = overridden_all(self.base, overrides, skip_bad=True)
+        self.overrides = {t: f for t, f in overrides.items() if t not in bad}
+        return bad
 
     def quota_wait_s(self, tenant: str, tokens: int) -> float:
         """Seconds before the tenant's quota admits `tokens` more (0: now, or no quota)."""
@@ -233,3 +247,38 @@ class TenantTable:
                 }
             bucket = self._buckets[tenant] = TokenBucket(per_minute, self.clock)
         return bucket
+
+
+def overridden(config: TenantsConfig, tenant: str, fields: dict) -> TenantsConfig:
+    """`config` with a tenant's fields set (a value None: the tenant's entry removed, so the
+    `default` entry or the built-in default holds); ValueError naming what is wrong."""
+    if not isinstance(fields, dict):
+        raise ValueError(f"tenant {tenant!r}: {fields!r} is not a mapping of fields")
+    unknown = set(fields) - set(POLICY_FIELDS)
+    if unknown:
+        raise ValueError(f"tenant {tenant!r}: unknown field(s) {', '.join(sorted(unknown))}")
+    tables = {}
+    for name, value in fields.items():
+        table = dict(getattr(config, name))
+        if value is None:
+            table.pop(tenant, None)
+        else:
+            table[tenant] = value
+        tables[name] = table
+    return replace(config, **tables)  # validates, or raises naming the field
+
+
+def overridden_all(
+    config: TenantsConfig, overrides: dict[str, dict], skip_bad: bool = False
+) -> tuple[TenantsConfig, dict[str, str]]:
+    """`config` with every tenant's overrides, and the tenants left out (skip_bad) -> why;
+    without skip_bad, the first that cannot be raises."""
+    bad: dict[str, str] = {}
+    for tenant, changed in overrides.items():
+        try:
+            config = overridden(config, tenant, changed)
+        except (ValueError, TypeError) as e:
+            if not skip_bad:
+                raise ValueError(str(e)) from None
+            bad[tenant] = str(e)
+    return config, bad

@@ -7,9 +7,11 @@ controller lease. Then a decode worker is killed while its requests' router is d
 those requests and replays them from the token log."""
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 import ray
@@ -50,6 +52,27 @@ def routers(tmp_path_factory):
                     p.kill()
         ray.shutdown()  # the local Ray this process started: its detached workers go with it
         redis.stop()
+
+
+def tenants(address: str, *args: str) -> dict:
+    """`tandem tenants` against one router, its --json answer as {tenant: policy}."""
+    out = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "tenants", "--address", address, "--json", *args],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    return {t["name"]: t for t in json.loads(out.stdout)["tenants"]}
+
+
+def test_a_tenant_change_at_one_router_holds_at_the_other(routers):
+    """`tandem tenants --set` sent to router A: router B (another process, on the same Redis)
+    runs by it from its next controller round; `--reset` sent to B takes it off both."""
+    a, b = routers["addr_a"], routers["addr_b"]
+    gold = tenants(a, "--set", "gold", "weight=4,tier=0,tokens_per_minute=60000")["gold"]
+    assert (gold["weight"], gold["tier"], gold["tokens_per_minute"]) == (4, 0, 60000)
+    wait_for(lambda: tenants(b).get("gold", {}).get("weight") == 4, 30, "router B's gold weight 4")
+    assert tenants(b)["gold"]["tier"] == 0
+    assert "gold" not in tenants(b, "--reset", "gold")  # back to the config's: not named
+    wait_for(lambda: "gold" not in tenants(a), 30, "router A's gold reset")
 
 
 def test_a_cancel_sent_to_another_router_ends_the_stream_at_once(routers):

@@ -360,3 +360,74 @@ def test_a_malformed_record_is_skipped_and_later_orphans_are_still_adopted(serve
     assert malformed == {"orphan-a"}
     ids = [r.request_id for r in adopted]  # (and the module's other orphans)
     assert "orphan-b" in ids and "orphan-a" not in ids and len(ids) == len(set(ids))
+
+
+def test_tenant_changes_made_at_one_router_hold_at_every_router_and_after_a_restart(server):
+    """Two routers' admission controls on one Redis: a change made through one (and a reset)
+    is read by the other at its next sync, and by a router that starts later; a change that
+    makes a bad policy reaches nobody; an entry the store holds that this version cannot
+    read is left out alone, the others kept."""
+    from cluster.state import TENANTS
+    from router.admission import AdmissionControl
+    from router.config import RouterConfig
+    from router.metrics import RouterMetrics
+    from router.tenants import TenantsConfig
+
+    base = RouterConfig(tenants=TenantsConfig(weight={"gold": 2.0}, tier={"gold": 1}))
+
+    def admission(name):
+        return AdmissionControl(base, RouterMetrics(name))
+
+    async def go(store):
+        a, b = admission("a"), admission("b")
+        await a.change(store, {"gold": {"weight": 4.0, "tier": 0}, "free": {"max_wait_s": 3.0}})
+        assert (a.tenants.policy("gold").weight, a.tenants.policy("gold").tier) == (4.0, 0)
+        assert b.tenants.policy("gold").weight == 2.0  # not read yet
+        await b.sync(store)
+        assert (b.tenants.policy("gold").weight, b.tenants.policy("gold").tier) == (4.0, 0)
+        assert b.tenants.policy("free").max_wait_s == 3.0
+        with pytest.raises(ValueError, match="weight"):
+            await b.change(store, {"gold": {"weight": -1.0}})
+        await b.change(store, {"gold": {"tier": 2}}, resets=["free"])  # field by field
+        await a.sync(store)
+        assert (a.tenants.policy("gold").weight, a.tenants.policy("gold").tier) == (4.0, 2)
+        assert a.tenants.policy("free").max_wait_s is None  # back to the config's
+        late = admission("late")  # a router started (or restarted) since
+        await late.sync(store)
+        assert late.tenants.overrides == a.tenants.overrides == {"gold": {"weight": 4.0, "tier": 2}}
+        # Written by some other version: that entry is left out, the rest still hold.
+        await store.r.hset(TENANTS, "odd", '{"colour": "red"}')
+        await store.change_tenants({}, [])
+        await late.sync(store)
+        assert late.tenants.policy("gold").tier == 2 and "odd" not in late.tenants.overrides
+        await a.change(store, {}, resets=["gold", "odd"])
+        await late.sync(store)
+        assert late.tenants.policy("gold").weight == 2.0 and late.tenants.overrides == {}
+        return True
+
+    assert run(with_store(server.url, go))
+
+
+def test_an_adopted_request_keeps_what_its_admission_promised(server):
+    """The record keeps the request's predicted output and TPOT target: a router adopting it
+    schedules it by them, with its tenant's policy as it stands now."""
+    from dataclasses import replace as with_
+
+    from router.admission import AdmissionControl
+    from router.config import RouterConfig
+    from router.metrics import RouterMetrics
+    from router.tenants import TenantsConfig
+
+    async def go(store):
+        await store.create(with_(record("promised"), predicted_tokens=37.5, tpot_slo_ms=40.0))
+        await store.create(record("plain"))
+        return await store.get("promised"), await store.get("plain")
+
+    promised, plain = run(with_store(server.url, go))
+    adm = AdmissionControl(
+        RouterConfig(tenants=TenantsConfig(weight={"t": 3.0})), RouterMetrics("adopter")
+    )
+    t = adm.tenancy(promised)
+    assert (t.tenant, t.weight, t.predicted_tokens, t.tpot_slo_ms) == ("t", 3.0, 37.5, 40.0)
+    t = adm.tenancy(plain)
+    assert (t.predicted_tokens, t.tpot_slo_ms) == (None, None)

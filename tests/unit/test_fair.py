@@ -256,6 +256,23 @@ def test_tenants_config_names_the_bad_field_and_changes_at_run_time():
     assert table.names() == ["gold"]
 
 
+def test_run_time_changes_sit_on_the_config_and_a_reset_takes_them_off():
+    table = TenantTable(TenantsConfig(weight={"gold": 3}, max_wait_s={"gold": 5}))
+    table.set_overrides(table.with_changes({"gold": {"weight": 6, "max_wait_s": None}}))
+    assert (table.policy("gold").weight, table.policy("gold").max_wait_s) == (6, None)
+    changed = table.with_changes({"gold": {"tier": 0}})  # merged, field by field
+    assert changed == {"gold": {"weight": 6, "max_wait_s": None, "tier": 0}}
+    assert table.policy("gold").tier == 1  # with_changes only says what would be
+    with pytest.raises(ValueError, match="unknown field"):
+        table.with_changes({"gold": {"colour": "red"}})
+    table.set_overrides(table.with_changes({}, resets=["gold"]))
+    assert (table.policy("gold").weight, table.policy("gold").max_wait_s) == (3, 5)
+    # Overrides another version wrote: the bad entries are left out, named, the rest kept.
+    bad = table.set_overrides({"a": {"weight": 2}, "b": {"weight": "x"}, "c": "garbage"})
+    assert set(bad) == {"b", "c"} and table.overrides == {"a": {"weight": 2}}
+    assert table.policy("a").weight == 2
+
+
 def test_counts_of_idle_tenants_do_not_grow_without_bound():
     from router.fair import MAX_IDLE_COUNTS
 

@@ -172,9 +172,11 @@ def test_tandem_tenants_set_builds_its_request_and_names_bad_fields():
     from cluster.cli_remote import tenant_request
 
     r = tenant_request(
-        [("gold", "weight=4,tier=0,max_wait_s=none"), ("free", "tokens_per_minute=600")]
+        [("gold", "weight=4,tier=0,max_wait_s=none"), ("free", "tokens_per_minute=600")],
+        ["silver"],
     )
     gold, free = r.set
+    assert list(r.reset) == ["silver"]
     assert (gold.name, gold.weight, gold.tier, gold.max_wait_s) == ("gold", 4.0, 0, 0.0)
     assert not gold.HasField("max_concurrency") and free.tokens_per_minute == 600
     for bad, why in (("colour=red", "FIELD one of"), ("tier=x", "takes a number"),
