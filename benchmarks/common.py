@@ -123,6 +123,12 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def percentile(xs: list[float], p: float) -> float:
+    """The p-th percentile of xs (None left out) as the nearest rank below; nan if empty."""
+    xs = sorted(x for x in xs if x is not None)
+    return xs[min(len(xs) - 1, int(len(xs) * p / 100))] if xs else float("nan")
+
+
 def print_table(headers: list[str], rows: list[list]) -> None:
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]

@@ -45,6 +45,7 @@ from benchmarks.common import (  # noqa: E402
     ROOT,
     export_default_model,
     log,
+    percentile,
     print_table,
     vllm_env,
 )
@@ -197,9 +198,7 @@ def summarize(records: list[dict], duration: float, slo_ttft: float, slo_tpot: f
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         xs = sorted(xs)
         for p in (50, 90, 99, 99.9):
-            out[f"{name}_p{p}_ms"] = (
-                1000 * xs[min(len(xs) - 1, int(len(xs) * p / 100))] if xs else float("nan")
-            )
+            out[f"{name}_p{p}_ms"] = 1000 * percentile(xs, p)
         out[f"{name}_max_ms"] = 1000 * xs[-1] if xs else float("nan")
         out[f"{name}_mean_ms"] = 1000 * statistics.fmean(xs) if xs else float("nan")
     return out

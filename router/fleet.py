@@ -360,10 +360,12 @@ class Fleet:
             if w is not None and w.alive:
                 calls += [w.handle.cancel.remote(rid, notify, attempt) for rid in ids]
         if calls:
+            answers = asyncio.gather(*calls, return_exceptions=True)
+            # Cut short (a timeout, this task cancelled), the gathering ends in an error that
+            # nobody awaits: taken here, not logged as "never retrieved" at every shutdown.
+            answers.add_done_callback(lambda f: f.cancelled() or f.exception())
             try:
-                await asyncio.wait_for(
-                    asyncio.gather(*calls, return_exceptions=True), self.config.rpc_timeout_s
-                )
+                await asyncio.wait_for(answers, self.config.rpc_timeout_s)
             except TimeoutError:
                 log.warning("request %s: cancel on %s timed out", ids[0], names)
 

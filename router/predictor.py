@@ -12,7 +12,7 @@ the router's event loop alone.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import OrderedDict
 from dataclasses import dataclass
 
 # Until a key has this many completions, its estimate leans on the wider one (tenant, then
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 MIN_SAMPLES = 4
 FORGET = 0.98  # each new completion's weight against the past's
 RUNS_OUT = 0.9  # mean output / max_tokens past which a key's outputs scale with max_tokens
+MAX_KEYS = 16384  # (tenant, prompt octave) and tenant keys kept, the least recently seen dropped
 
 
 @dataclass
@@ -46,8 +47,8 @@ class LengthPredictor:
 
     def __init__(self, prior_tokens: float = 64.0) -> None:
         self.prior = prior_tokens
-        self._count: dict[tuple, _Mean] = defaultdict(_Mean)
-        self._fraction: dict[tuple, _Mean] = defaultdict(_Mean)
+        # key -> (output tokens, output / max_tokens), the least recently observed first
+        self._means: OrderedDict[tuple, tuple[_Mean, _Mean]] = OrderedDict()
         self.abs_error = _Mean()  # |predicted - actual|, over completions
         self.observed = 0
 
@@ -58,7 +59,7 @@ class LengthPredictor:
 
     def predict(self, tenant: str, prompt_tokens: int, max_tokens: int) -> float:
         for key in self._keys(tenant, prompt_tokens):
-            count, fraction = self._count.get(key), self._fraction.get(key)
+            count, fraction = self._means.get(key, (None, None))
             if count is not None and count.count >= MIN_SAMPLES:
                 # Outputs that (nearly) always run to max_tokens scale with it; others are
                 # as long as they are, whatever the request allows.
@@ -71,8 +72,12 @@ class LengthPredictor:
                 actual: int) -> None:  # fmt: skip
         """A completed choice: `actual` output tokens, `predicted` at its admission."""
         for key in self._keys(tenant, prompt_tokens):
-            self._count[key].add(actual)
-            self._fraction[key].add(actual / max(1, max_tokens))
+            count, fraction = self._means.pop(key, None) or (_Mean(), _Mean())
+            count.add(actual)
+            fraction.add(actual / max(1, max_tokens))
+            self._means[key] = count, fraction  # the most recent last
+        while len(self._means) > MAX_KEYS:  # a router without keys: any tenant name comes
+            self._means.popitem(last=False)
         self.abs_error.add(abs(predicted - actual))
         self.observed += 1
 

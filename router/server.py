@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from router import convert
 from router.api import tandem_pb2 as pb
 from router.api import tandem_pb2_grpc as pb_grpc
-from router.auth import AuthInterceptor, bearer, caller, scoped_id
+from router.auth import ADMIN, AuthInterceptor, bearer, caller, scoped_id
 from router.client import FINAL_KEY
 from router.controller import Controller
 from router.core import Router
@@ -248,7 +248,12 @@ class AdminService(pb_grpc.AdminServicer):
         for s in await router.fleet.snapshot(self.status_timeout_s):
             field = out.prefill if s.pool is Pool.PREFILL else out.decode
             field.append(convert.worker_status(s))
-        out.tenants.extend(convert.tenant_state(t) for t in router.admission.states())
+        # Other tenants' names and usage are for admins: a tenant's key sees its own alone.
+        who = caller(self.keys, context)
+        states = router.admission.states()
+        if who is not None and not who.may(ADMIN):
+            states = [t for t in states if t.policy.name == who.tenant]
+        out.tenants.extend(convert.tenant_state(t) for t in states)
         return out
 
     async def Tenants(self, request, context):

@@ -280,6 +280,12 @@ def test_tenants_are_the_keys_and_a_spent_quota_says_when_to_retry(cluster):
     status = call(cluster, lambda c: c.status())(ADMIN)
     shown = {t.policy.name: t for t in status.tenants}
     assert shown["acme"].quota_left < 0 and shown["acme"].policy.tokens_per_minute == 60
+    # An admin key sees every tenant; a tenant's key its own alone, never another's usage.
+    assert "acme" in {t.policy.name for t in call(cluster, lambda c: c.status())(OPS).tenants}
+    assert [t.policy.name for t in call(cluster, lambda c: c.status())(ACME).tenants] == ["acme"]
+    assert "acme" not in {
+        t.policy.name for t in call(cluster, lambda c: c.status())(GLOBEX).tenants
+    }
     lift = pb.TenantsRequest(set=[pb.TenantPolicy(name="acme", tokens_per_minute=0)])
     call(cluster, lambda c: c.admin.Tenants(lift, timeout=30, metadata=c.metadata))(ADMIN)
     assert call(cluster, lambda c: c.generate(msg, timeout_s=120))(ACME).status == "OK"

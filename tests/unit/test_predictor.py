@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from router.predictor import MIN_SAMPLES, LengthPredictor, LinearFit
+from router.predictor import MAX_KEYS, MIN_SAMPLES, LengthPredictor, LinearFit
 
 
 def test_a_tenants_lengths_are_learned_and_capped_at_max_tokens():
@@ -52,3 +52,15 @@ def test_linear_fit_follows_a_line_and_keeps_sense_with_little_data():
     g.add(10, 2.0)
     g.add(1000, 1.0)  # longer and faster: noise, not a negative cost
     assert g(5000) == pytest.approx(1.5, rel=0.02)  # the (recency-weighted) mean
+
+
+def test_what_it_keeps_is_bounded_and_the_busy_tenants_stay():
+    p = LengthPredictor()
+    for _ in range(MIN_SAMPLES):
+        p.observe("busy", 100, 512, 64, 300)
+    for i in range(MAX_KEYS):  # a router without keys: any tenant name comes, once each
+        p.observe(f"t{i}", 100, 512, 64, 10)
+        if i % 1000 == 0:
+            p.observe("busy", 100, 512, 64, 300)
+    assert len(p._means) <= MAX_KEYS
+    assert p.predict("busy", 100, 512) == pytest.approx(300, rel=0.05)
