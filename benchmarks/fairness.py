@@ -2,7 +2,7 @@
 one run, on real Tandem clusters (Ray workers, the router over gRPC on loopback, Redis).
 
     python benchmarks/fairness.py [--out F] [--scenarios noisy,weights,starvation,sjf,slo]
-        [--scale 1.0]
+        [--scale 1.0] [--repeats 3]
 
 Scenarios (each prints a table; all go to one JSON, and one PNG beside it):
 - noisy: tenant B sends a steady stream of chats; tenant A floods long requests, far past its
@@ -10,7 +10,8 @@ Scenarios (each prints a table; all go to one JSON, and one PNG beside it):
   and the engines'), and under FCFS (both off), each on a cluster of its own config; with A
   flooding, B's requests carry a TPOT target (tpot_slo_ms) of 1.3x its TPOT alone. Both
   clusters run decode-first (engine.prefill_share 0.25); a third, fair but prefill-first
-  (prefill_share 1), shows what decode-first is worth.
+  (prefill_share 1), shows what decode-first is worth. Each is run --repeats times (B alone
+  interleaved with fair share), after a few unmeasured seconds of both; medians reported.
 - weights: three tenants of weights 1:2:4, all saturating: each one's share of the output
   tokens over a window where all are busy, against its weight's share.
 - starvation: one long request among a stream of short ones that never lets up: its wait
@@ -29,8 +30,9 @@ Scenarios (each prints a table; all go to one JSON, and one PNG beside it):
 Clusters are colocated (one worker with both cores, chunked prefill, max_num_seqs seats) so
 that one engine's scheduler is measured, not two processes sharing two cores; the router's
 slots (max_in_flight) are few where the router's order is measured (starvation, sjf, slo)
-and many where the engine's is (noisy, weights). Timings are this machine's: compare ratios
-within the run, never figures across machines.
+and many where the engine's is (noisy, weights). The router runs in this process, the clients
+in another, as they would. Timings are this machine's: compare ratios within the run, never
+figures across machines.
 """
 
 from __future__ import annotations
@@ -38,18 +40,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
+import multiprocessing
 import random
 import shutil
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, ROOT, log, print_table  # noqa: E402
+from benchmarks.common import RESULTS, ROOT, log, percentile, print_table  # noqa: E402
 from benchmarks.make_workloads import STYLES, TOPICS  # noqa: E402
 
 SCENARIOS = ("noisy", "weights", "starvation", "sjf", "slo")
@@ -113,9 +118,36 @@ def message(j: Job):
     return msg
 
 
+_clients: ProcessPoolExecutor | None = None
+
+
 async def run_jobs(address: str, jobs: list[Job], until=None, timeout_s: float = 300) -> list:
-    """Send every job at its time; returns their outcomes. `until(outcomes)`: once true
-    (checked as jobs end), the jobs still running are cancelled (their outcome CANCELLED)."""
+    """Send every job at its time; returns their outcomes. `until(outcomes)` (picklable):
+    once true (checked as jobs end), the jobs still running are cancelled (their outcome
+    CANCELLED). The jobs are sent from a process of their own, as clients are: the load
+    generator's streams never take the event loop of the router, which runs in this one."""
+    global _clients
+    if _clients is None:
+        _clients = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_clients, _send_jobs, address, jobs, until, timeout_s)
+
+
+def _send_jobs(address: str, jobs: list[Job], until, timeout_s: float) -> list:
+    return asyncio.run(_send_jobs_async(address, jobs, until, timeout_s))
+
+
+def tenant_done(tenant: str, outcomes: list) -> bool:
+    """Every request of `tenant` has ended (an `until` for run_jobs)."""
+    return all(o.status != "OK" or o.e2e_s is not None for o in outcomes if o.job.tenant == tenant)
+
+
+def token_past(t: float, outcomes: list) -> bool:
+    """Some request has had a token later than t seconds into the run (an `until`)."""
+    return any(o.token_times and o.token_times[-1] > t for o in outcomes)
+
+
+async def _send_jobs_async(address: str, jobs: list[Job], until, timeout_s: float) -> list:
     from router.client import TandemClient
 
     client = TandemClient(address)
@@ -151,11 +183,6 @@ async def run_jobs(address: str, jobs: list[Job], until=None, timeout_s: float =
         if o.status == "OK" and o.ttft_s is None:
             o.status = "CANCELLED"
     return outcomes
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(x for x in xs if x is not None)
-    return xs[min(len(xs) - 1, int(len(xs) * p / 100))] if xs else float("nan")
 
 
 def ms(x: float) -> float:
@@ -227,16 +254,18 @@ def poisson(rng: random.Random, rate: float, n: int) -> list[float]:
 
 
 # -- scenarios -------------------------------------------------------------------------------
-async def noisy(scale: float) -> dict:
+async def noisy(scale: float, repeats: int) -> dict:
     rng = random.Random(1)
     n_b = max(8, int(24 * scale))
     b = [Job(t, "b", chat(rng), 48, kind="chat") for t in spaced(0.7, n_b, 1.0)]
     span = b[-1].at
     # A: long prompts and answers, about 2 a second for as long as B sends: past 10x its share.
     a = [Job(t, "a", long_prompt(rng, 8), 192, kind="long") for t in spaced(2.0, int(2 * span))]
+    # A few seconds of both, unmeasured, before each cluster's first run: the batch shapes a
+    # flood makes are set up once (oneDNN, allocator), not inside a measured run.
+    warm = [j for j in sorted(a + b, key=lambda j: j.at) if j.at < 4.0]
 
-    def b_done(outcomes):
-        return all(o.status != "OK" or o.e2e_s is not None for o in outcomes if o.job.tenant == "b")
+    b_done = functools.partial(tenant_done, "b")
 
     def summary(outs) -> dict:
         bs = [o for o in outs if o.job.tenant == "b"]
@@ -244,55 +273,62 @@ async def noisy(scale: float) -> dict:
         return {
             "b_requests": len(bs),
             "b_completed": len(ok),
-            "b_ttft_p90_ms": ms(pct([o.ttft_s for o in ok], 90)),
-            "b_tpot_p90_ms": ms(pct([o.tpot_s for o in ok], 90)),
-            "b_ttft_p50_ms": ms(pct([o.ttft_s for o in ok], 50)),
-            "b_tpot_p50_ms": ms(pct([o.tpot_s for o in ok], 50)),
+            "b_ttft_p90_ms": ms(percentile([o.ttft_s for o in ok], 90)),
+            "b_tpot_p90_ms": ms(percentile([o.tpot_s for o in ok], 90)),
+            "b_ttft_p50_ms": ms(percentile([o.ttft_s for o in ok], 50)),
+            "b_tpot_p50_ms": ms(percentile([o.tpot_s for o in ok], 50)),
             "a_tokens": sum(o.tokens for o in outs if o.job.tenant == "a"),
         }
 
-    out = {}
+    runs: dict[str, list[dict]] = {"alone": [], "fair": [], "fcfs": [], "fair_prefill_first": []}
     # Decode-first (prompts take at most a quarter of a step beside decodes), the same on
     # both clusters: a flood's long prompts do not stretch the steps the others decode in.
     async with cluster("noisy-fair", fair=True, seats=8, slots=256, prefill_share=0.25) as c:
-        log("[noisy] B alone")
-        out["alone"] = summary(await run_jobs(c.address, b))
-        # B asks for a TPOT of 1.3x what it gets alone (tpot_slo_ms), as an interactive
-        # tenant states its target; A states none. The same requests go to both clusters.
-        target = round(1.3 * out["alone"]["b_tpot_p50_ms"], 1)
-        b = [replace(j, tpot_slo_ms=target) for j in b]
-        flood = sorted(a + b, key=lambda j: j.at)
-        log(f"[noisy] B (tpot_slo_ms {target}) with A flooding, fair share")
-        out["fair"] = summary(await run_jobs(c.address, flood, b_done))
-        log("[noisy] B alone again (the machine may have changed meanwhile)")
-        out["alone_after"] = summary(await run_jobs(c.address, b))
-    async with cluster("noisy-fcfs", fair=False, seats=8, slots=256, prefill_share=0.25) as c:
-        log("[noisy] B with A flooding, FCFS")
-        out["fcfs"] = summary(await run_jobs(c.address, flood, b_done))
-    async with cluster("noisy-prefill-first", fair=True, seats=8, slots=256) as c:
-        log("[noisy] B with A flooding, fair share, prefill-first (prefill_share 1)")
-        out["fair_prefill_first"] = summary(await run_jobs(c.address, flood, b_done))
-    out["b_tpot_slo_ms"] = target
-    runs = {k: v for k, v in out.items() if isinstance(v, dict)}
-    for k in ("fair", "fcfs", "fair_prefill_first"):
+        await run_jobs(c.address, warm, b_done)
+        for r in range(repeats):
+            log(f"[noisy] {r + 1}/{repeats}: B alone")
+            runs["alone"].append(summary(await run_jobs(c.address, b)))
+            if r == 0:
+                # B asks for a TPOT of 1.3x what it gets alone (tpot_slo_ms), as an interactive
+                # tenant states its target; A states none. The same requests go to every run.
+                target = round(1.3 * runs["alone"][0]["b_tpot_p50_ms"], 1)
+                b = [replace(j, tpot_slo_ms=target) for j in b]
+                flood = sorted(a + b, key=lambda j: j.at)
+            log(f"[noisy] {r + 1}/{repeats}: B (tpot_slo_ms {target}) with A flooding, fair share")
+            runs["fair"].append(summary(await run_jobs(c.address, flood, b_done)))
+    for name, fair, share in (("fcfs", False, 0.25), ("fair_prefill_first", True, 1.0)):
+        async with cluster(f"noisy-{name}", fair=fair, seats=8, slots=256,
+                           prefill_share=share) as c:  # fmt: skip
+            await run_jobs(c.address, warm, b_done)
+            for r in range(repeats):
+                log(f"[noisy] {r + 1}/{repeats}: B with A flooding, {name} (prefill_share {share})")
+                runs[name].append(summary(await run_jobs(c.address, flood, b_done)))
+    # Each figure is the median over the repeats; a ratio, the median of each repeat's ratio
+    # to the run of B alone of the same repeat (the machine drifts between repeats).
+    out: dict = {"repeats": repeats, "b_tpot_slo_ms": target, "runs": runs}
+    for name, rs in runs.items():
+        out[name] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        if name == "alone":
+            continue
         for m in ("ttft", "tpot"):
-            # Against the better of the two runs alone: the ratio is never flattered.
-            alone = min(out["alone"][f"b_{m}_p90_ms"], out["alone_after"][f"b_{m}_p90_ms"])
-            out[k][f"b_{m}_p90_vs_alone"] = round(out[k][f"b_{m}_p90_ms"] / alone, 2)
-    print("\nnoisy neighbour: tenant B's latency (ms), A flooding long requests")
+            key = f"b_{m}_p90_ms"
+            ratios = [r[key] / alone[key] for r, alone in zip(rs, runs["alone"])]
+            out[name][f"b_{m}_p90_vs_alone"] = round(statistics.median(ratios), 2)
+    print(f"\nnoisy neighbour: tenant B's latency (ms), A flooding long requests; median of "
+          f"{repeats} runs, each ratio against B alone in the same repeat")  # fmt: skip
     print_table(
         ["run", "B TTFT p50", "B TTFT p90", "x alone", "B TPOT p50", "B TPOT p90", "x alone"],
         [
             [
                 k,
-                v["b_ttft_p50_ms"],
-                v["b_ttft_p90_ms"],
-                v.get("b_ttft_p90_vs_alone", 1.0),
-                v["b_tpot_p50_ms"],
-                v["b_tpot_p90_ms"],
-                v.get("b_tpot_p90_vs_alone", 1.0),
+                out[k]["b_ttft_p50_ms"],
+                out[k]["b_ttft_p90_ms"],
+                out[k].get("b_ttft_p90_vs_alone", 1.0),
+                out[k]["b_tpot_p50_ms"],
+                out[k]["b_tpot_p90_ms"],
+                out[k].get("b_tpot_p90_vs_alone", 1.0),
             ]
-            for k, v in runs.items()
+            for k in runs
         ],  # fmt: skip
     )
     return out
@@ -306,8 +342,7 @@ async def weights(scale: float) -> dict:
     n = max(24, int(120 * scale))
     jobs = [Job(0.02 * i, t, chat(rng), 64) for i in range(n) for t in w]
 
-    def past_window(outcomes):
-        return any(o.token_times and o.token_times[-1] > window[1] for o in outcomes)
+    past_window = functools.partial(token_past, window[1])
 
     async with cluster("weights", fair=True, seats=8, slots=256) as c:
         for t, wt in w.items():  # as `tandem tenants --set` does
@@ -363,7 +398,9 @@ async def starvation(c, scale: float) -> dict:
             "max_wait_s": max_wait,
             "aging_per_s": aging,
             "longest_wait_ms": ms(lo.ttft_s) if lo.ttft_s is not None else None,
-            "short_ttft_p90_ms": ms(pct([o.ttft_s for o in outs if o.job.kind == "short"], 90)),
+            "short_ttft_p90_ms": ms(
+                percentile([o.ttft_s for o in outs if o.job.kind == "short"], 90)
+            ),
             "stream_s": span,
         }
     set_router(c, admission_max_wait_s=None, admission_aging_per_s=0.0)
@@ -434,7 +471,7 @@ def completion_summary(outs) -> dict:
     return {
         "completed": len(comp),
         "mean_completion_ms": ms(statistics.fmean(comp)) if comp else None,
-        "p99_completion_ms": ms(pct(comp, 99)),
+        "p99_completion_ms": ms(percentile(comp, 99)),
         "requests_per_s": round(len(comp) / span, 3) if comp else 0.0,
     }
 
@@ -465,7 +502,11 @@ async def sjf(c, scale: float, tokenizer) -> dict:
         if name == "sjf_predicted":
             out[name]["predictor_observed"] = predictor.observed - before
     lengths = sorted(truth.values())
-    out["output_tokens"] = {"p50": pct(lengths, 50), "p90": pct(lengths, 90), "max": lengths[-1]}
+    out["output_tokens"] = {
+        "p50": percentile(lengths, 50),
+        "p90": percentile(lengths, 90),
+        "max": lengths[-1],
+    }
     out["predictor_mae_tokens"] = round(predictor.mean_abs_error or float("nan"), 1)
     print("\nSJF: completion time (arrival to last token), heavy-tailed outputs")
     print_table(
@@ -566,7 +607,7 @@ def plot(results: dict, path: Path) -> None:
     for ax, key in zip(axes, panels):
         r = results[key]
         if key == "noisy_neighbour":
-            runs = [k for k, v in r.items() if isinstance(v, dict)]
+            runs = list(r["runs"])
             x = range(len(runs))
             ax.bar(
                 [i - 0.2 for i in x], [r[k]["b_ttft_p90_ms"] for k in runs], 0.4, label="TTFT p90"
@@ -619,7 +660,7 @@ async def amain(args) -> dict:
     results: dict = {"scale": args.scale}
     t0 = time.perf_counter()
     if "noisy" in chosen:
-        results["noisy_neighbour"] = await noisy(args.scale)
+        results["noisy_neighbour"] = await noisy(args.scale, args.repeats)
     if "weights" in chosen:
         results["weights"] = await weights(args.scale)
     if {"starvation", "sjf", "slo"} & set(chosen):
@@ -647,9 +688,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--scale", type=float, default=1.0, help="workload size and duration")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="noisy: runs of each, the median reported"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "fairness.json")
     args = ap.parse_args(argv)
-    results = asyncio.run(amain(args))
+    try:
+        results = asyncio.run(amain(args))
+    finally:
+        if _clients is not None:
+            _clients.shutdown(cancel_futures=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     log(f"wrote {args.out} ({results['seconds']:.0f} s)")
