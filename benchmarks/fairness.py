@@ -14,14 +14,15 @@ Scenarios (each prints a table; all go to one JSON, and one PNG beside it):
   interleaved with fair share), after a few unmeasured seconds of both; medians reported.
 - weights: three tenants of weights 1:2:4, all saturating: each one's share of the output
   tokens over a window where all are busy, against its weight's share.
-- starvation: one long request among a stream of short ones that never lets up: its wait
+- starvation: one long request among a stream of short ones that never lets up (sent at
+  1.25x the rate the cluster serves them, measured first, whatever the machine): its wait
   for a first token under SJF without and with router.admission_max_wait_s, and under
   priority (it the least urgent) without and with admission_aging_per_s.
 - sjf: a heavy-tailed workload (output length set by the kind of request, one kind per
-  tenant, ended by EOS): completion time (arrival to last token) under FCFS, SJF by prompt
-  length, SJF by predicted length (the router's predictor, learned online) and SJF by the
-  true length (the oracle, from the FCFS run: greedy outputs repeat exactly); the
-  predictor's mean absolute error.
+  tenant, ended by EOS), at 1.3x the rate the cluster serves it (measured first): completion
+  time (arrival to last token) under FCFS, SJF by prompt length, SJF by predicted length
+  (the router's predictor, learned online) and SJF by the true length (the oracle, from the
+  FCFS run: greedy outputs repeat exactly); the predictor's mean absolute error.
 - slo: interactive chats (tight TTFT SLO) and batch requests (loose) at Poisson arrivals,
   at 1x and 1.5x the rate the cluster serves that mix saturated (measured first): goodput
   (requests per second meeting both SLOs) under FCFS against slack ordering with
@@ -376,8 +377,10 @@ async def weights(scale: float) -> dict:
 async def starvation(c, scale: float) -> dict:
     rng = random.Random(3)
     span = 40.0 * scale
-    # Short requests at 4 a second: more than two slots serve, so the queue never empties.
-    shorts = [Job(t, "s", chat(rng), 24, kind="short") for t in spaced(4.0, int(4 * span))]
+    cap = await capacity(c, "starvation", [Job(0, "s", chat(rng), 24) for _ in range(32)])
+    # Short requests at 1.25x what two slots serve: the queue never empties while they come.
+    rate = 1.25 * cap
+    shorts = [Job(t, "s", chat(rng), 24, kind="short") for t in spaced(rate, int(rate * span))]
     longest = Job(1.0, "s", long_prompt(rng, 12), 96, kind="longest")
     jobs = sorted([*shorts, longest], key=lambda j: j.at)
     out = {}
@@ -402,9 +405,13 @@ async def starvation(c, scale: float) -> dict:
                 percentile([o.ttft_s for o in outs if o.job.kind == "short"], 90)
             ),
             "stream_s": span,
+            "shorts_per_s": round(rate, 2),
         }
     set_router(c, admission_max_wait_s=None, admission_aging_per_s=0.0)
-    print("\nstarvation: one long request among short ones that never let up")
+    print(
+        f"\nstarvation: one long request among short ones that never let up ({rate:.1f}/s, "
+        "1.25x what the cluster serves)"
+    )
     print_table(
         ["run", "max_wait_s", "aging/s", "longest's wait (ms)", "shorts' TTFT p90 (ms)"],
         [
@@ -476,9 +483,19 @@ def completion_summary(outs) -> dict:
     }
 
 
+async def capacity(c, what: str, burst: list[Job]) -> float:
+    """Requests a second the cluster serves of `burst`'s mix, saturated: all sent at once,
+    under FCFS. The scenarios that need a queue send past it, whatever the machine's speed."""
+    set_router(c, admission_policy="fcfs", admission_fair_share=False)
+    log(f"[{what}] capacity: {len(burst)} requests at once")
+    outs = await run_jobs(c.address, [replace(j, at=0.0) for j in burst])
+    return completion_summary(outs)["requests_per_s"]
+
+
 async def sjf(c, scale: float, tokenizer) -> dict:
+    cap = await capacity(c, "sjf", heavy_tailed_jobs(random.Random(7), 24, rate=1.0))
     rng = random.Random(4)
-    jobs = heavy_tailed_jobs(rng, max(16, int(48 * scale)), rate=1.6)  # past capacity
+    jobs = heavy_tailed_jobs(rng, max(16, int(48 * scale)), rate=1.3 * cap)  # past capacity
     prompt_tokens = {j.prompt: len(tokenizer.encode_chat(j.prompt)) for j in jobs}
     out, truth = {}, {}
     set_router(c, admission_fair_share=False, admission_max_wait_s=None)
@@ -508,6 +525,7 @@ async def sjf(c, scale: float, tokenizer) -> dict:
         "max": lengths[-1],
     }
     out["predictor_mae_tokens"] = round(predictor.mean_abs_error or float("nan"), 1)
+    out["capacity_per_s"], out["rate_per_s"] = cap, round(1.3 * cap, 3)
     print("\nSJF: completion time (arrival to last token), heavy-tailed outputs")
     print_table(
         ["run", "completed", "mean (ms)", "p99 (ms)"],
@@ -541,14 +559,10 @@ def slo_jobs(rng: random.Random, times: list[float]) -> list[Job]:
 async def slo(c, scale: float) -> dict:
     """At 1x and 1.5x the rate the cluster serves this mix when saturated (measured first,
     under FCFS, all requests sent at once): where FCFS starts to miss the SLOs."""
-    set_router(c, admission_policy="fcfs", admission_fair_share=False)
-    burst = slo_jobs(random.Random(6), [0.0] * max(12, int(24 * scale)))
-    log(f"[slo] capacity: {len(burst)} requests at once")
-    outs = await run_jobs(c.address, burst)
-    capacity = completion_summary(outs)["requests_per_s"]
-    out: dict = {"capacity_per_s": capacity}
+    cap = await capacity(c, "slo", slo_jobs(random.Random(6), [0.0] * max(12, int(24 * scale))))
+    out: dict = {"capacity_per_s": cap}
     for factor in (1.0, 1.5):
-        rate = capacity * factor
+        rate = cap * factor
         rng = random.Random(5)
         jobs = slo_jobs(rng, poisson(rng, rate, max(16, int(40 * scale))))
         span = jobs[-1].at
@@ -569,7 +583,7 @@ async def slo(c, scale: float) -> dict:
             }
     print(
         "\nSLO-aware: goodput (requests a second meeting both SLOs); saturated, the cluster "
-        f"served {capacity} requests a second"
+        f"served {cap} requests a second"
     )
     runs = {k: v for k, v in out.items() if isinstance(v, dict)}
     print_table(
