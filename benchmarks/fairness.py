@@ -5,13 +5,14 @@ one run, on real Tandem clusters (Ray workers, the router over gRPC on loopback,
         [--scale 1.0] [--repeats 3]
 
 Scenarios (each prints a table; all go to one JSON, and one PNG beside it):
-- noisy: tenant B sends a steady stream of chats; tenant A floods long requests, far past its
-  share. B's TTFT and TPOT p90 alone, then with A flooding under fair share (the router's
-  and the engines'), and under FCFS (both off), each on a cluster of its own config; with A
-  flooding, B's requests carry a TPOT target (tpot_slo_ms) of 1.3x its TPOT alone. Both
-  clusters run decode-first (engine.prefill_share 0.25); a third, fair but prefill-first
-  (prefill_share 1), shows what decode-first is worth. Each is run --repeats times (B alone
-  interleaved with fair share), after a few unmeasured seconds of both; medians reported.
+- noisy: tenant B sends a steady stream of chats; tenant A floods long requests at 10x its
+  share (5x the rate the cluster serves them alone, measured first). B's TTFT and TPOT p90
+  alone, then with A flooding under fair share (the router's and the engines'), and under
+  FCFS (both off), each on a cluster of its own config; with A flooding, B's requests carry
+  a TPOT target (tpot_slo_ms) of 1.3x its TPOT alone. Both clusters run decode-first
+  (engine.prefill_share 0.25); a third, fair but prefill-first (prefill_share 1), shows what
+  decode-first is worth. Each is run --repeats times (B alone interleaved with fair share),
+  after a few unmeasured seconds of both; medians reported.
 - weights: three tenants of weights 1:2:4, all saturating: each one's share of the output
   tokens over a window where all are busy, against its weight's share.
 - starvation: one long request among a stream of short ones that never lets up (sent at
@@ -229,6 +230,18 @@ async def cluster(name: str, *, fair: bool, seats: int, slots: int, prefill_shar
         await c.stop()
 
 
+async def idle(c, timeout_s: float = 60.0) -> None:
+    """Wait (bounded) until no worker runs or queues anything: what the last run cancelled
+    has ended, and does not slow the next."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = await c.router.fleet.snapshot(5.0)
+        if all(w.running == 0 and w.waiting == 0 for w in workers):
+            return
+        await asyncio.sleep(0.2)
+    log(f"workers still busy after {timeout_s:.0f} s: going on")
+
+
 def set_router(c, **changes) -> None:
     c.router.config = replace(c.router.config, **changes)
 
@@ -260,11 +273,7 @@ async def noisy(scale: float, repeats: int) -> dict:
     n_b = max(8, int(24 * scale))
     b = [Job(t, "b", chat(rng), 48, kind="chat") for t in spaced(0.7, n_b, 1.0)]
     span = b[-1].at
-    # A: long prompts and answers, about 2 a second for as long as B sends: past 10x its share.
-    a = [Job(t, "a", long_prompt(rng, 8), 192, kind="long") for t in spaced(2.0, int(2 * span))]
-    # A few seconds of both, unmeasured, before each cluster's first run: the batch shapes a
-    # flood makes are set up once (oneDNN, allocator), not inside a measured run.
-    warm = [j for j in sorted(a + b, key=lambda j: j.at) if j.at < 4.0]
+    longs = [Job(0.0, "a", long_prompt(rng, 8), 192, kind="long") for _ in range(256)]
 
     b_done = functools.partial(tenant_done, "b")
 
@@ -285,8 +294,18 @@ async def noisy(scale: float, repeats: int) -> dict:
     # Decode-first (prompts take at most a quarter of a step beside decodes), the same on
     # both clusters: a flood's long prompts do not stretch the steps the others decode in.
     async with cluster("noisy-fair", fair=True, seats=8, slots=256, prefill_share=0.25) as c:
+        # A: long prompts and answers, sent for as long as B sends at 10x its share of two
+        # tenants (5x the rate the cluster serves them alone, measured first).
+        cap = await capacity(c, "noisy", longs[:16])
+        a_rate = 5 * cap
+        times = spaced(a_rate, int(a_rate * span))
+        a = [replace(longs[i % len(longs)], at=t) for i, t in enumerate(times)]
+        # A few seconds of both, unmeasured, before each cluster's first run: the batch shapes
+        # a flood makes are set up once (oneDNN, allocator), not inside a measured run.
+        warm = [j for j in sorted(a + b, key=lambda j: j.at) if j.at < 4.0]
         await run_jobs(c.address, warm, b_done)
         for r in range(repeats):
+            await idle(c)
             log(f"[noisy] {r + 1}/{repeats}: B alone")
             runs["alone"].append(summary(await run_jobs(c.address, b)))
             if r == 0:
@@ -295,6 +314,7 @@ async def noisy(scale: float, repeats: int) -> dict:
                 target = round(1.3 * runs["alone"][0]["b_tpot_p50_ms"], 1)
                 b = [replace(j, tpot_slo_ms=target) for j in b]
                 flood = sorted(a + b, key=lambda j: j.at)
+            await idle(c)
             log(f"[noisy] {r + 1}/{repeats}: B (tpot_slo_ms {target}) with A flooding, fair share")
             runs["fair"].append(summary(await run_jobs(c.address, flood, b_done)))
     for name, fair, share in (("fcfs", False, 0.25), ("fair_prefill_first", True, 1.0)):
@@ -302,11 +322,18 @@ async def noisy(scale: float, repeats: int) -> dict:
                            prefill_share=share) as c:  # fmt: skip
             await run_jobs(c.address, warm, b_done)
             for r in range(repeats):
+                await idle(c)
                 log(f"[noisy] {r + 1}/{repeats}: B with A flooding, {name} (prefill_share {share})")
                 runs[name].append(summary(await run_jobs(c.address, flood, b_done)))
     # Each figure is the median over the repeats; a ratio, the median of each repeat's ratio
     # to the run of B alone of the same repeat (the machine drifts between repeats).
-    out: dict = {"repeats": repeats, "b_tpot_slo_ms": target, "runs": runs}
+    out: dict = {
+        "repeats": repeats,
+        "b_tpot_slo_ms": target,
+        "a_capacity_per_s": cap,
+        "a_per_s": round(a_rate, 2),
+        "runs": runs,
+    }
     for name, rs in runs.items():
         out[name] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
         if name == "alone":
@@ -377,6 +404,7 @@ async def weights(scale: float) -> dict:
 async def starvation(c, scale: float) -> dict:
     rng = random.Random(3)
     span = 40.0 * scale
+    set_router(c, admission_policy="fcfs", admission_fair_share=False)
     cap = await capacity(c, "starvation", [Job(0, "s", chat(rng), 24) for _ in range(32)])
     # Short requests at 1.25x what two slots serve: the queue never empties while they come.
     rate = 1.25 * cap
@@ -485,14 +513,15 @@ def completion_summary(outs) -> dict:
 
 async def capacity(c, what: str, burst: list[Job]) -> float:
     """Requests a second the cluster serves of `burst`'s mix, saturated: all sent at once,
-    under FCFS. The scenarios that need a queue send past it, whatever the machine's speed."""
-    set_router(c, admission_policy="fcfs", admission_fair_share=False)
+    under the router's order as set. The scenarios that need a queue send past it, whatever
+    the machine's speed."""
     log(f"[{what}] capacity: {len(burst)} requests at once")
     outs = await run_jobs(c.address, [replace(j, at=0.0) for j in burst])
     return completion_summary(outs)["requests_per_s"]
 
 
 async def sjf(c, scale: float, tokenizer) -> dict:
+    set_router(c, admission_policy="fcfs", admission_fair_share=False)
     cap = await capacity(c, "sjf", heavy_tailed_jobs(random.Random(7), 24, rate=1.0))
     rng = random.Random(4)
     jobs = heavy_tailed_jobs(rng, max(16, int(48 * scale)), rate=1.3 * cap)  # past capacity
@@ -559,6 +588,7 @@ def slo_jobs(rng: random.Random, times: list[float]) -> list[Job]:
 async def slo(c, scale: float) -> dict:
     """At 1x and 1.5x the rate the cluster serves this mix when saturated (measured first,
     under FCFS, all requests sent at once): where FCFS starts to miss the SLOs."""
+    set_router(c, admission_policy="fcfs", admission_fair_share=False)
     cap = await capacity(c, "slo", slo_jobs(random.Random(6), [0.0] * max(12, int(24 * scale))))
     out: dict = {"capacity_per_s": cap}
     for factor in (1.0, 1.5):
