@@ -144,7 +144,6 @@ if a and tonumber(a) < tonumber(ARGV[1]) then redis.call('HSET', KEYS[1], 'attem
 return 1
 """
 
-# KEYS: lease. ARGV: holder, ttl ms.
 # KEYS: the tenants' overrides (a hash: tenant -> JSON of its fields), their version. ARGV:
 # the tenants to reset (JSON list), then the changes (JSON: tenant -> fields), merged field by
 # field into what is there. Returns the new version.
@@ -159,6 +158,7 @@ end
 return redis.call('INCR', KEYS[2])
 """
 
+# KEYS: lease. ARGV: holder, ttl ms.
 _LEASE = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
 if redis.call('GET', KEYS[1]) == ARGV[1] then

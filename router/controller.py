@@ -83,7 +83,6 @@ class Controller:
                 if not self.leader:
                     holder = await store.lease_holder(LEASE)
                     self.leader_address = (await store.live_routers()).get(holder or "")
-                await asyncio.wait_for(router.admission.sync(store), self.ttl_s)
             except (ConnectionError, TimeoutError) as e:  # store away: keep the role we had
                 log.debug("controller: store unreachable (%s)", e)
         directory = router.fleet.directory
@@ -97,6 +96,18 @@ class Controller:
                 await self.adopt_orphans()
         else:
             await directory.refresh()
+        if store is not None:
+            await self.sync_tenants(store)
+
+    async def sync_tenants(self, store) -> None:
+        """Take up the tenants' changes in the store. What fails is logged and tried again
+        next round: it never holds the control duties back."""
+        try:
+            await asyncio.wait_for(self.router.admission.sync(store), self.ttl_s)
+        except (ConnectionError, TimeoutError) as e:
+            log.debug("tenants' changes: store unreachable (%s)", e)
+        except Exception:
+            log.exception("tenants' changes in the store could not be read")
 
     async def adopt_orphans(self) -> None:
         """Take over every running request whose router is gone."""
