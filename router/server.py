@@ -212,9 +212,11 @@ class AdminService(pb_grpc.AdminServicer):
         mode: str,
         status_timeout_s: float = 0.5,
         tls: ServerTLS | None = None,
+        keys: KeyRing | None = None,
     ) -> None:
         self.router = router
         self.controller = controller
+        self.keys = keys  # who calls: Status shows a tenant's key its own tenant alone
         self.mode = mode
         self.status_timeout_s = status_timeout_s
         self.tls = tls  # to call the controller router as it is served
@@ -383,7 +385,7 @@ async def start_server(
     advertised = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     controller = Controller(router, f"{advertised}:{bound}")
     _add_generation(GenerationService(router, max_model_len, vocab_size, keys), server)
-    _add_admin(AdminService(router, controller, mode, tls=tls), server)
+    _add_admin(AdminService(router, controller, mode, tls=tls, keys=keys), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
