@@ -201,8 +201,10 @@ def check_engine(models: Models, dev: torch.device, quick: bool) -> list[Result]
     ps, sp = prompts(3, 40, 1), _with_logprobs(SamplingParams(max_tokens=tokens, temperature=0))
     outs = zip(generate(ref, ps, sp), generate(got, ps, sp))
     results = [_judge("engine-greedy", outs, tol, t0, f"{dev} bf16 vs cpu fp32")]
-    # Seeded draws among each row's 20 best: a draw follows its seed and position, so most
-    # tokens must be the reference's, and where the two part, both tokens are likely ones.
+    # Seeded draws among each row's 20 best: where the two part, both tokens must be likely
+    # on both sides. How soon they part depends on how flat the rows are and on the device's
+    # bf16 arithmetic, so the count of equal tokens is reported, never judged: that a draw
+    # follows its seed is the sampler check's (the same logits draw the same token).
     t0 = time.perf_counter()
     ps = prompts(3, 33, 2)
     sp = _with_logprobs(SamplingParams(max_tokens=tokens, temperature=0.8, top_k=20, seed=5))
@@ -211,9 +213,6 @@ def check_engine(models: Models, dev: torch.device, quick: bool) -> list[Result]
     res = _judge("engine-seeded", outs, {"lp_tol": 0.6, "tie_tol": None}, t0, "top-20 draws")
     if [b for _, b in outs] != again:
         res.status, res.detail = "FAIL", "two seeded runs on the device drew differently"
-    elif res.data["equal"] < res.data["total"] / 2:
-        res.status = "FAIL"
-        res.detail += "; fewer than half the draws are the reference's"
     results.append(res)
     # A long prompt prefilled in chunks of 128 on the device, whole on the CPU.
     t0 = time.perf_counter()
