@@ -65,19 +65,23 @@ class AdmissionControl:
         """Change tenants' policies on this router alone: `resets` back to the config's, then
         `changes` ({tenant: {field: value}}), all or none (ValueError naming the field); the
         waiting requests then see them."""
-        self.tenants.set_overrides(self.tenants.with_changes(changes, resets))
-        self.slots.recheck()
+        self._run_by(self.tenants.with_changes(changes, resets))
 
     async def change(self, store, changes: dict[str, dict], resets=()) -> None:
         """Change tenants' policies as `update` does, on every router of the store: written
         there (ConnectionError when it cannot be, and then nothing changed anywhere), then
         read back here at once; the other routers read it at their next `sync`."""
-        self.tenants.with_changes(changes, resets)  # refused here, before it reaches anyone
+        overrides = self.tenants.with_changes(changes, resets)  # refused before it is sent
         if store is None:
-            self.update(changes, resets)
+            self._run_by(overrides)
             return
         await store.change_tenants(changes, list(resets))
         await self.sync(store)
+
+    def _run_by(self, overrides: dict[str, dict]) -> dict[str, str]:
+        bad = self.tenants.set_overrides(overrides)
+        self.slots.recheck()
+        return bad
 
     async def sync(self, store) -> None:
         """Take up the tenants' overrides in the store if they changed since last read."""
@@ -86,12 +90,10 @@ class AdmissionControl:
         version, overrides = await store.tenants()
         if version == self._tenants_version:
             return
-        bad = self.tenants.set_overrides(overrides)
-        for why in bad.values():
+        for why in self._run_by(overrides).values():
             log.error("tenants' changes in the store: left out %s", why)
         log.info("tenants' changes (version %d): %s", version, self.tenants.overrides)
         self._tenants_version = version
-        self.slots.recheck()
 
     def ticket(self, adm: Admission) -> tuple[Ticket, RequestSpec]:
         """The request's place in the queue, and its spec with its tenancy: its tenant's
