@@ -17,7 +17,14 @@ n choices taking n, handed out in an order made of, from the first that differs:
 
 The best request waits for room rather than let later ones pass it, so a request of many
 choices is not passed over for ever; a tenant at its `max_concurrency` is skipped, its
-requests waiting for its own to end. Used from the router's event loop alone.
+requests waiting for its own to end.
+
+With fair share, a tenant's weighted share of the slots is its own (`owed`): of `total`,
+weight / (the active tenants' weights, its own counted). A flood may hold every slot while
+nobody else asks, but a tenant of the best waiter's tier or better holding less than its
+share is not made to wait for the flood's requests to end: it is let in past `total` (and
+past the best waiter of another tenant). Until the flood's requests end and give their
+slots back, the router holds up to twice `total`. Used from the router's event loop alone.
 """
 
 from __future__ import annotations
@@ -216,7 +223,15 @@ class FairQueue:
         return (1, pol.tier, share, k, t.arrival, t.seq)
 
     def _fits(self, t: Ticket, pol: Tenant) -> bool:
-        return t.n <= self.free and self._under_cap(t, pol)
+        return self._under_cap(t, pol) and (t.n <= self.free or self._owed(t, pol))
+
+    def _owed(self, t: Ticket, pol: Tenant) -> bool:
+        """t's slots are within its tenant's weighted share of `total`, among the tenants
+        active now: it takes them even when others hold every slot (fair share only)."""
+        if not self.fair_share:
+            return False
+        weights = sum(self.tenants.policy(a).weight for a in self.active() | {t.tenant})
+        return self.running[t.tenant] + t.n <= self.total * pol.weight / weights
 
     def _under_cap(self, t: Ticket, pol: Tenant) -> bool:
         return not pol.max_concurrency or self.running[t.tenant] + t.n <= pol.max_concurrency
@@ -233,8 +248,20 @@ class FairQueue:
             if not open_:
                 return
             best = min(open_, key=lambda w: self._key(w, now, policies[w.tenant]))
-            if best.n > self.free:
-                return  # room is kept for it
+            if best.n > self.free and not self._owed(best, policies[best.tenant]):
+                # Room is kept for it; another tenant of its tier or better, owed slots,
+                # takes its own past it (they come from nobody's free room).
+                tier = policies[best.tenant].tier
+                owed = [
+                    w
+                    for w in open_
+                    if w.tenant != best.tenant
+                    and policies[w.tenant].tier <= tier
+                    and self._owed(w, policies[w.tenant])
+                ]
+                if not owed:
+                    return
+                best = min(owed, key=lambda w: self._key(w, now, policies[w.tenant]))
             self._leave(best)
             self._grant(best)
             best._fut.set_result(None)

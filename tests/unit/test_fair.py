@@ -115,6 +115,36 @@ def test_fair_share_alternates_where_fcfs_serves_the_flood_first():
     assert names(fair) == ["a0", "b0", "a1", "b1", "a2", "b2"]
 
 
+def test_a_tenant_under_its_share_is_not_kept_waiting_by_a_flood_holding_every_slot():
+    async def go(fair_share, b_tier=1):
+        tenants = TenantsConfig(tier={"b": b_tier})
+        q = queue(4, tenants, fair_share=fair_share)
+        flood = [Ticket("a") for _ in range(4)]
+        for t in flood:
+            await q.acquire(t)
+        more_a = asyncio.create_task(q.acquire(Ticket("a")))
+        await asyncio.sleep(0)
+        b1, b2, b3 = Ticket("b"), Ticket("b"), Ticket("b")
+        got = [asyncio.create_task(q.acquire(t)) for t in (b1, b2, b3)]
+        await asyncio.sleep(0)
+        admitted = [t.done() for t in got]
+        running = dict(q.running)
+        q.release(flood[0])  # still 5 held of 4: the flood's next one waits
+        await asyncio.sleep(0)
+        a_waits = not more_a.done()
+        for t in flood[1:]:
+            q.release(t)
+        await asyncio.gather(more_a, *got)
+        return admitted, running, a_waits
+
+    # b's share of 4 slots is 2 (weights 1:1): two of its requests go in at once, past the
+    # flood's waiting one; its third waits, as the flood's does until it is back under 4.
+    assert asyncio.run(go(True)) == ([True, True, False], {"a": 4, "b": 2}, True)
+    # FCFS shares nothing, and under fair share a lower tier is owed nothing.
+    assert asyncio.run(go(False))[0] == [False, False, False]
+    assert asyncio.run(go(True, b_tier=2))[0] == [False, False, False]
+
+
 def test_weights_give_slots_in_their_ratio():
     tenants = TenantsConfig(weight={"a": 2})
     tickets = [Ticket(t, priority=i) for i in range(4) for t in ("a", "b")]
@@ -292,7 +322,7 @@ def test_counts_of_idle_tenants_do_not_grow_without_bound():
 
 def test_a_waiter_cancelled_in_the_same_turn_as_a_release_takes_nothing():
     async def go():
-        q = queue(2)
+        q = queue(2, fair_share=False)  # with it, b and c are owed slots of their own
         held = Ticket("a", 2)
         await q.acquire(held)
         waiters = [Ticket("b"), Ticket("c")]
