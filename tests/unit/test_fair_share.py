@@ -119,6 +119,65 @@ def test_a_flood_that_took_every_seat_gives_another_tenant_its_share():
     assert s.num_preemptions == 2
 
 
+def test_a_tenant_under_its_share_gets_its_first_token_from_a_step_without_the_flood():
+    def first_token_step(fair, b_tier=1):
+        s = make_scheduler(num_blocks=256, max_num_seqs=8, fair_share=fair)
+        for i in range(5):
+            add(s, f"a{i}", A, prompt=4, max_tokens=2000)
+        for _ in range(3):
+            run_step(s)
+        add(s, "b", Tenancy("b", tier=b_tier), prompt=6, max_tokens=20)
+        out, _ = run_step(s)
+        after, _ = run_step(s)
+        return [r.request_id for r in out.scheduled], [r.request_id for r in after.scheduled]
+
+    # a holds 5 of 8 seats, over its share of 4: its decodes wait the one step of b's prompt.
+    step, after = first_token_step(True)
+    assert step == ["b"] and sorted(after) == ["a0", "a1", "a2", "a3", "a4", "b"]
+    # Without fair share, or for a tenant of a lower tier, nobody waits.
+    assert sorted(first_token_step(False)[0]) == ["a0", "a1", "a2", "a3", "a4", "b"]
+    assert sorted(first_token_step(True, b_tier=2)[0]) == ["a0", "a1", "a2", "a3", "a4", "b"]
+
+
+def test_a_decode_that_ran_since_it_last_waited_waits_again_when_asked():
+    clock = [100.0]
+    s = make_scheduler(num_blocks=256, max_num_seqs=8)
+    s.clock = lambda: clock[0]
+    for i in range(5):
+        add(s, f"a{i}", A, prompt=4, max_tokens=2000)
+    for _ in range(3):
+        run_step(s)
+    for rid in ("b1", "b2"):
+        add(s, rid, B, prompt=6, max_tokens=2)
+        out, _ = run_step(s)
+        assert [r.request_id for r in out.scheduled] == [rid]
+        for _ in range(40):  # 2 s of steps: longer than any hold, all of a's decodes run
+            clock[0] += 0.05
+            out, _ = run_step(s)
+            assert len(out.decodes) >= 5
+
+
+def test_a_tenant_at_its_share_makes_nobody_wait_for_its_first_token():
+    s = make_scheduler(num_blocks=256, max_num_seqs=8)
+    for i in range(3):
+        add(s, f"a{i}", A, prompt=4, max_tokens=2000)
+        add(s, f"b{i}", B, prompt=4, max_tokens=2000)
+    for _ in range(3):
+        run_step(s)
+    add(s, "b9", B, prompt=6, max_tokens=20)  # a and b hold 3 of their 4: neither is over
+    out, _ = run_step(s)
+    assert len(out.decodes) == 6 and [p.request_id for p in out.prefills] == ["b9"]
+    # A prompt that does not end in this step (a long one, chunked) makes nobody wait.
+    s = make_scheduler(num_blocks=256, max_num_seqs=8, prefill_chunk_size=8)
+    for i in range(5):
+        add(s, f"a{i}", A, prompt=4, max_tokens=2000)
+    for _ in range(3):
+        run_step(s)
+    add(s, "b", B, prompt=40, max_tokens=20)
+    out, _ = run_step(s)
+    assert len(out.decodes) == 5 and out.prefills[0].num_tokens == 8
+
+
 def test_seats_follow_weights_and_a_tenant_at_its_share_takes_none():
     s = make_scheduler(num_blocks=256, max_num_seqs=3)
     heavy = Tenancy("h", weight=2.0)

@@ -67,6 +67,11 @@ class SchedulingPolicy(ABC):
         (preempted, recomputed later), if any. Only fair share names one."""
         return None
 
+    def yielding_to(self, waiting: Request, running: list[Request], seats: int) -> set[str]:
+        """Tenants whose decodes wait the step that gives `waiting` its first token. Only
+        fair share names any."""
+        return set()
+
     @abstractmethod
     def key(self, req: Request) -> tuple:
         """Smaller keys are served first and preempted last."""
@@ -206,14 +211,7 @@ class FairShare(SchedulingPolicy):
         if not self.fair:
             return None
         w = waiting.tenancy
-        held = Counter(r.tenancy.tenant for r in [*running, *given])
-        weights = {r.tenancy.tenant: r.tenancy.weight for r in [*running, *given]}
-        weights[w.tenant] = w.weight
-        total = sum(weights.values())
-
-        def over(t: str) -> float:
-            return held[t] - seats * weights[t] / total
-
+        over = self._over(waiting, [*running, *given], seats)
         lower = [r for r in running if r.tenancy.tier > w.tier]
         if lower:
             return max(lower, key=self.key)
@@ -224,6 +222,33 @@ class FairShare(SchedulingPolicy):
             return None
         most = max(over(r.tenancy.tenant) for r in peers)
         return max((r for r in peers if over(r.tenancy.tenant) == most), key=self.key)
+
+    def yielding_to(self, waiting: Request, running: list[Request], seats: int) -> set[str]:
+        """The tenants over their share of the seats (or of a higher tier number), when
+        `waiting`'s tenant holds less than its share: a tenant back with one request gets
+        its first token from a step as short as when it was alone, the decodes of the
+        tenants over their share held back for that step (the first to wait)."""
+        if not self.fair:
+            return set()
+        w = waiting.tenancy
+        over = self._over(waiting, running, seats)
+        if over(w.tenant) + 1 > 0:  # as for a seat: it would hold more than its share
+            return set()
+        return {
+            r.tenancy.tenant
+            for r in running
+            if r.tenancy.tier > w.tier or (r.tenancy.tier == w.tier and over(r.tenancy.tenant) > 0)
+        }
+
+    @staticmethod
+    def _over(waiting: Request, holding: list[Request], seats: int):
+        """Seats a tenant holds beyond its weighted share, among the tenants of `holding`
+        and `waiting`'s."""
+        held = Counter(r.tenancy.tenant for r in holding)
+        weights = {r.tenancy.tenant: r.tenancy.weight for r in holding}
+        weights[waiting.tenancy.tenant] = waiting.tenancy.weight
+        total = sum(weights.values())
+        return lambda t: held[t] - seats * weights[t] / total
 
     def key(self, req: Request) -> tuple:
         inner = self.inner.key(req)

@@ -55,6 +55,9 @@ class Scheduler:
         # Decodes of requests without a TPOT target this step may still run beside those
         # with one (pacing's decode_cap; None: no limit), and since when each held back is.
         self._decode_cap: int | None = None
+        # Tenants whose decodes wait this step: it gives a tenant under its share of the
+        # seats its first token (policy.yielding_to).
+        self._yielding: set[str] = set()
         self._held_back: dict[str, float] = {}
         # Pacing: the last step scheduled and when, to time it by the next one's start.
         self._timing: tuple[SchedulerOutput, float] | None = None
@@ -192,6 +195,7 @@ class Scheduler:
             cap = max(self.pool.block_size, int(share * self.config.max_num_batched_tokens))
             allowed = self._prompt_allowance
             self._prompt_allowance = cap if allowed is None else min(cap, allowed)
+        self._yielding = self._yielding_to_first_token(budget) if admit else set()
         budget = self._schedule_running(out, budget, admit and self.policy.admits_ahead)
         for ghost in self.padding:
             if budget <= 0:
@@ -269,19 +273,47 @@ class Scheduler:
                 self._emit(out, req, n)
         return budget
 
+    def _yielding_to_first_token(self, budget: int) -> set[str]:
+        """The tenants whose decodes wait this step, when the first waiting request (in the
+        policy's order) gets a seat and its whole prompt in it: its first token comes from
+        a short step, not from one beside the whole batch."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return set()
+        first = self.waiting[0]
+        left = first.num_tokens - first.num_computed_tokens
+        room = budget
+        if self.config.enable_chunked_prefill:
+            room = min(room, self.config.prefill_chunk_size)
+            if self._prompt_allowance is not None:
+                room = min(room, self._prompt_allowance)
+        if left > room:
+            return set()
+        return self.policy.yielding_to(first, self.running, self.config.max_num_seqs)
+
     def _holds_back(self, req: Request) -> bool:
-        """Pacing's decode cap: a decode with no TPOT target of its own past this step's cap
-        waits a step, unless it has waited MAX_DECODE_PAUSE_S already."""
-        if self._decode_cap is None or not req.is_decoding or self.pacer.target_of(req):
+        """A decode waits a step, unless it has waited MAX_DECODE_PAUSE_S already (since it
+        last ran): its tenant's, over its share, for another's first token (`_yielding`); or
+        one with no TPOT target of its own past pacing's decode cap."""
+        if self._waits(req):
+            self._held_back.setdefault(req.request_id, self.clock())
+            self._decodes_due = max(0, self._decodes_due - 1)  # its budget goes to others
+            return True
+        self._held_back.pop(req.request_id, None)  # it runs: a later wait counts afresh
+        return False
+
+    def _waits(self, req: Request) -> bool:
+        if not req.is_decoding:
             return False
-        now = self.clock()
+        yields = req.tenancy.tenant in self._yielding
+        capped = self._decode_cap is not None and not self.pacer.target_of(req)
+        if not (yields or capped):
+            return False
         since = self._held_back.get(req.request_id)
-        if self._decode_cap > 0 or (since is not None and now - since >= MAX_DECODE_PAUSE_S):
-            self._decode_cap = max(0, self._decode_cap - 1)
-            self._held_back.pop(req.request_id, None)
+        overdue = since is not None and self.clock() - since >= MAX_DECODE_PAUSE_S
+        if overdue or (not yields and self._decode_cap > 0):
+            if capped:
+                self._decode_cap = max(0, self._decode_cap - 1)
             return False
-        self._held_back.setdefault(req.request_id, now)
-        self._decodes_due = max(0, self._decodes_due - 1)  # its budget goes to others
         return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, before=None) -> int:
