@@ -31,6 +31,8 @@ measure: a client also sees the stream's delivery, so set it somewhat under the 
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 
 import numpy as np
@@ -42,6 +44,12 @@ MIN_OBSERVATIONS = 3
 # A sequence may borrow against this many of its coming tokens: one long step now, repaid by
 # the decode-only steps after it. Bounded, so a sequence that ends early (EOS) owes little.
 HORIZON_TOKENS = 8
+# The weight of a decode-only step in its batch size's average: a size's own steps come in
+# runs, so it follows a change within a few dozen of them.
+DECODE_WEIGHT = 0.1
+# A batch size not run for this many steps is forgotten: the contexts, and the load beside
+# the engine, have moved on since.
+STALE_STEPS = 200
 # Decodes without a target are held back so that a step takes at most this share of the
 # tightest target: the stream's delivery takes the rest.
 DECODE_HEADROOM = 0.9
@@ -51,59 +59,111 @@ MAX_DECODE_PAUSE_S = 1.0
 
 
 class StepCostModel:
-    """Step seconds ~ a + b * decodes + (c + d * prompt tokens if any), fitted by recursive
-    least squares with exponential forgetting: it follows the machine as load and contexts
-    change. `c` is what a prompt chunk costs whatever its size (its own kernels, its
-    attention over the context before it): why a few large chunks beat many small ones."""
+    """Step seconds ~ decode(n) for n decodes, + (c + d * prompt tokens if any).
 
-    # Features in units that keep them near 1: decodes by 16, prompt tokens by 256.
-    DECODES, TOKENS = 16.0, 256.0
+    decode(n) is what the last decode-only steps of n sequences took (an average per batch
+    size, each step of that size weighing DECODE_WEIGHT once it has a few), never more than
+    for a larger size, read between the sizes seen in the last STALE_STEPS steps along
+    straight lines. One fitted line
+    through all sizes cannot be trusted: a batch that stays one size for minutes (a flood's
+    full batch) leaves the line's slope unexcited, and recursive least squares with
+    forgetting lets it wander with the noise, until a step of one sequence is predicted
+    slower than a full one. Per size, an estimate may only err low for long: one too high
+    would keep pacing from running that size again to correct it. So a size is never taken
+    for slower than a larger one, a size not seen for a while is read from the sizes around
+    it instead, and below the smallest size seen decode(n) runs straight down to zero.
+
+    `c` + `d` * tokens, what a prompt chunk adds to a step (`c` whatever its size: its own
+    kernels, its attention over the context before it: why a few large chunks beat many
+    small ones), is fitted by recursive least squares with exponential forgetting to what
+    steps with decodes and a chunk took beyond decode(n): it follows the machine as load and
+    contexts change."""
+
+    TOKENS = 256.0  # prompt tokens in units that keep the feature near 1
 
     def __init__(self, forgetting: float = 0.97) -> None:
         self.forgetting = forgetting
-        self._reset()
-
-    def _reset(self) -> None:
-        self.theta = np.zeros(4)
-        self.cov = np.eye(4) * 1e3
+        self._decode: dict[int, float] = {}  # batch size -> seconds: the average
+        self._steps: dict[int, int] = {}  # batch size -> steps seen
+        self._seen_at: dict[int, int] = {}  # batch size -> the observation it was last seen
+        self._sizes: list[int] = []  # its keys, sorted
+        self._bound: list[float] = []  # by _sizes: the least average at that size or above
+        self._reset_prompt()
         self.observations = 0
+
+    def _reset_prompt(self) -> None:
+        self.theta = np.zeros(2)  # c, d (per TOKENS)
+        self.cov = np.eye(2) * 1e3
         self.prompt_observations = 0
 
     def observe(self, decodes: int, prompt_tokens: int, seconds: float) -> None:
-        x = np.array(
-            [1.0, decodes / self.DECODES, float(prompt_tokens > 0), prompt_tokens / self.TOKENS]
-        )
+        if not math.isfinite(seconds) or seconds < 0:
+            return
+        self.observations += 1
+        if not prompt_tokens:
+            if decodes not in self._decode:
+                self._decode[decodes], self._steps[decodes] = 0.0, 0
+            self._steps[decodes] += 1
+            self._seen_at[decodes] = self.observations
+            weight = max(DECODE_WEIGHT, 1 / self._steps[decodes])  # a plain mean at first
+            self._decode[decodes] += weight * (seconds - self._decode[decodes])
+            for n in [n for n, at in self._seen_at.items() if at < self.observations - STALE_STEPS]:
+                del self._decode[n], self._steps[n], self._seen_at[n]
+            self._sizes = sorted(self._decode)
+            self._bound = list(itertools.accumulate(
+                (self._decode[n] for n in reversed(self._sizes)), min
+            ))[::-1]  # fmt: skip
+            return
+        if not decodes or not self._sizes:
+            return  # a chunk alone: its step's fixed cost is not one a decode step shares
+        x = np.array([1.0, prompt_tokens / self.TOKENS])
+        extra = seconds - self.decode_seconds(decodes)
         px = self.cov @ x
         gain = px / (self.forgetting + x @ px)
-        self.theta += gain * (seconds - x @ self.theta)
+        self.theta += gain * (extra - x @ self.theta)
         cov = (self.cov - np.outer(gain, px)) / self.forgetting
         self.cov = (cov + cov.T) / 2
-        # Forgetting inflates the covariance along directions no step excites (prompt
-        # tokens, through a run of decode-only steps); bounded, it adapts fast, not wildly.
+        # Forgetting inflates the covariance along a direction no step excites (through a
+        # run of chunks of one size); bounded, it adapts fast, not wildly.
         trace = np.trace(self.cov)
         if trace > 1e6:
             self.cov *= 1e6 / trace
         if not (np.isfinite(self.theta).all() and np.isfinite(self.cov).all()):
-            self._reset()  # start the fit over rather than size chunks from garbage
+            self._reset_prompt()  # start the fit over rather than size chunks from garbage
             return
-        self.observations += 1
-        self.prompt_observations += prompt_tokens > 0
+        self.prompt_observations += 1
 
     @property
     def ready(self) -> bool:
         return (
             self.observations >= MIN_OBSERVATIONS
             and self.prompt_observations > 0
-            and self.theta[3] > 0
+            and self.theta[1] > 0
         )
 
     def decode_seconds(self, decodes: int) -> float:
-        return max(0.0, float(self.theta[0] + self.theta[1] * decodes / self.DECODES))
+        sizes, bound = self._sizes, self._bound
+        if not sizes:
+            return 0.0
+        i = bisect.bisect_left(sizes, decodes)
+        if i < len(sizes) and sizes[i] == decodes:
+            return bound[i]
+        if i == 0:  # below every size seen: straight down to zero
+            return bound[0] * max(0, decodes) / sizes[0] if sizes[0] else bound[0]
+        if i == len(sizes):  # above: on along the last two sizes' line, or in proportion
+            hi = sizes[-1]
+            if len(sizes) > 1:
+                slope = max(0.0, (bound[-1] - bound[-2]) / (hi - sizes[-2]))
+            else:
+                slope = bound[-1] / hi if hi else 0.0
+            return bound[-1] + slope * (decodes - hi)
+        lo, hi = sizes[i - 1], sizes[i]
+        return bound[i - 1] + (bound[i] - bound[i - 1]) * (decodes - lo) / (hi - lo)
 
     def prompt_tokens_within(self, seconds: float) -> int:
         """Prompt tokens a step can add and take at most `seconds` longer."""
-        spare = seconds - max(0.0, float(self.theta[2]))
-        return int(spare / self.theta[3] * self.TOKENS) if spare > 0 else 0
+        spare = seconds - max(0.0, float(self.theta[0]))
+        return int(spare / self.theta[1] * self.TOKENS) if spare > 0 else 0
 
 
 class DecodePacer:
@@ -159,8 +219,9 @@ class DecodePacer:
         tight = DECODE_HEADROOM * min(targets)
         if self.model.decode_seconds(len(decoding)) <= tight:
             return None
-        if self.model.decode_seconds(len(targets)) > tight:
+        if self.model.decode_seconds(len(targets)) > min(targets):
             return None  # out of reach whatever others do: holding them back would not help
+        # Within the target, if not its headroom: the fewest others run, the nearest it gets.
         size = len(targets)
         while size < len(decoding) and self.model.decode_seconds(size + 1) <= tight:
             size += 1
