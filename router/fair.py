@@ -183,7 +183,12 @@ class FairQueue:
         """Seconds before t would get its slots: those asked by requests ordered ahead of it,
         beyond the free ones, freed at the rate slots have been freed."""
         now = self.clock()
-        mine = self._key(t, now, self.tenants.policy(t.tenant))
+        pol = self.tenants.policy(t.tenant)
+        if self._owed(t, pol) and all(
+            pol.tier <= self.tenants.policy(w.tenant).tier for w in self._waiting
+        ):
+            return 0.0  # its share's slots are its own: it goes in at once
+        mine = self._key(t, now, pol)
         ahead = sum(
             w.n for w in self._waiting if self._key(w, now, self.tenants.policy(w.tenant)) < mine
         )

@@ -145,6 +145,25 @@ def test_a_tenant_under_its_share_is_not_kept_waiting_by_a_flood_holding_every_s
     assert asyncio.run(go(True, b_tier=2))[0] == [False, False, False]
 
 
+def test_a_deadline_is_judged_by_the_slots_owed_not_by_the_floods_queue():
+    async def go():
+        clock = Clock()
+        q = queue(4, clock=clock)
+        q.hold_s.add(10, 5.0)  # slots have been held 5 s each
+        for _ in range(4):
+            await q.acquire(Ticket("a", predicted_tokens=10))
+        flood = [asyncio.create_task(q.acquire(Ticket("a"))) for _ in range(8)]
+        await asyncio.sleep(0)
+        b = Ticket("b", prompt_tokens=10, ttft_deadline=1.0, reject_if_late=True)
+        await q.acquire(b)  # owed a slot: not refused for the 8 of a's waiting ahead of it
+        for t in flood:
+            t.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
+        return q.running["b"]
+
+    assert asyncio.run(go()) == 1
+
+
 def test_weights_give_slots_in_their_ratio():
     tenants = TenantsConfig(weight={"a": 2})
     tickets = [Ticket(t, priority=i) for i in range(4) for t in ("a", "b")]
