@@ -53,7 +53,10 @@ class RouterConfig:
     )
     max_in_flight: int = field(
         default=256,
-        metadata=_h("sequences generating at once (a request of n choices takes n)"),
+        metadata=_h(
+            "sequences generating at once (a request of n choices takes n); with "
+            "admission_fair_share, a tenant under its weighted share of them goes in past it"
+        ),
     )
     admission_policy: str = field(
         default="fcfs",

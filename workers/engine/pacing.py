@@ -32,7 +32,6 @@ measure: a client also sees the stream's delivery, so set it somewhat under the 
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
 
 import numpy as np
@@ -64,14 +63,14 @@ class StepCostModel:
     decode(n) is what the last decode-only steps of n sequences took (an average per batch
     size, each step of that size weighing DECODE_WEIGHT once it has a few), never more than
     for a larger size, read between the sizes seen in the last STALE_STEPS steps along
-    straight lines. One fitted line
-    through all sizes cannot be trusted: a batch that stays one size for minutes (a flood's
-    full batch) leaves the line's slope unexcited, and recursive least squares with
-    forgetting lets it wander with the noise, until a step of one sequence is predicted
-    slower than a full one. Per size, an estimate may only err low for long: one too high
-    would keep pacing from running that size again to correct it. So a size is never taken
-    for slower than a larger one, a size not seen for a while is read from the sizes around
-    it instead, and below the smallest size seen decode(n) runs straight down to zero.
+    straight lines. One fitted line through all sizes cannot be trusted: a batch that stays
+    one size for minutes (a flood's full batch) leaves the line's slope unexcited, and
+    recursive least squares with forgetting lets it wander with the noise, until a step of
+    one sequence is predicted slower than a full one. Per size, an estimate may only err
+    low for long: one too high would keep pacing from running that size again to correct
+    it. So a size is never taken for slower than a larger one, a size not seen for a while
+    is read from the sizes around it instead, and below the smallest size seen decode(n)
+    runs straight down to zero.
 
     `c` + `d` * tokens, what a prompt chunk adds to a step (`c` whatever its size: its own
     kernels, its attention over the context before it: why a few large chunks beat many
@@ -110,9 +109,11 @@ class StepCostModel:
             for n in [n for n, at in self._seen_at.items() if at < self.observations - STALE_STEPS]:
                 del self._decode[n], self._steps[n], self._seen_at[n]
             self._sizes = sorted(self._decode)
-            self._bound = list(itertools.accumulate(
-                (self._decode[n] for n in reversed(self._sizes)), min
-            ))[::-1]  # fmt: skip
+            bound, least = [], math.inf
+            for n in reversed(self._sizes):
+                least = min(least, self._decode[n])
+                bound.append(least)
+            self._bound = bound[::-1]
             return
         if not decodes or not self._sizes:
             return  # a chunk alone: its step's fixed cost is not one a decode step shares
