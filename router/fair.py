@@ -230,13 +230,18 @@ class FairQueue:
     def _fits(self, t: Ticket, pol: Tenant) -> bool:
         return self._under_cap(t, pol) and (t.n <= self.free or self._owed(t, pol))
 
-    def _owed(self, t: Ticket, pol: Tenant) -> bool:
+    def _owed(self, t: Ticket, pol: Tenant, active_weight: float | None = None) -> bool:
         """t's slots are within its tenant's weighted share of `total`, among the tenants
-        active now: it takes them even when others hold every slot (fair share only)."""
+        active now (`active_weight`, their weights: t's own counted): it takes them even
+        when others hold every slot (fair share only)."""
         if not self.fair_share:
             return False
-        weights = sum(self.tenants.policy(a).weight for a in self.active() | {t.tenant})
-        return self.running[t.tenant] + t.n <= self.total * pol.weight / weights
+        if active_weight is None:
+            active_weight = self._active_weight(t.tenant)
+        return self.running[t.tenant] + t.n <= self.total * pol.weight / active_weight
+
+    def _active_weight(self, *also: str) -> float:
+        return sum(self.tenants.policy(a).weight for a in self.active().union(also))
 
     def _under_cap(self, t: Ticket, pol: Tenant) -> bool:
         return not pol.max_concurrency or self.running[t.tenant] + t.n <= pol.max_concurrency
@@ -253,7 +258,8 @@ class FairQueue:
             if not open_:
                 return
             best = min(open_, key=lambda w: self._key(w, now, policies[w.tenant]))
-            if best.n > self.free and not self._owed(best, policies[best.tenant]):
+            weight = self._active_weight() if self.fair_share else 1.0
+            if best.n > self.free and not self._owed(best, policies[best.tenant], weight):
                 # Room is kept for it; another tenant of its tier or better, owed slots,
                 # takes its own past it (they come from nobody's free room).
                 tier = policies[best.tenant].tier
@@ -262,7 +268,7 @@ class FairQueue:
                     for w in open_
                     if w.tenant != best.tenant
                     and policies[w.tenant].tier <= tier
-                    and self._owed(w, policies[w.tenant])
+                    and self._owed(w, policies[w.tenant], weight)
                 ]
                 if not owed:
                     return
