@@ -513,11 +513,16 @@ def completion_summary(outs) -> dict:
 
 async def capacity(c, what: str, burst: list[Job]) -> float:
     """Requests a second the cluster serves of `burst`'s mix, saturated: all sent at once,
-    under the router's order as set. The scenarios that need a queue send past it, whatever
-    the machine's speed."""
-    log(f"[{what}] capacity: {len(burst)} requests at once")
-    outs = await run_jobs(c.address, [replace(j, at=0.0) for j in burst])
-    return completion_summary(outs)["requests_per_s"]
+    under the router's order as set; the faster of two bursts (a fresh cluster's first one
+    also sets up its batch shapes, and has come out at half the second's rate). The
+    scenarios that need a queue send past it, whatever the machine's speed."""
+    rates = []
+    for i in range(2):
+        log(f"[{what}] capacity {i + 1}/2: {len(burst)} requests at once")
+        outs = await run_jobs(c.address, [replace(j, at=0.0) for j in burst])
+        rates.append(completion_summary(outs)["requests_per_s"])
+    log(f"[{what}] capacity: {rates[0]} and {rates[1]} requests/s")
+    return max(rates)
 
 
 async def sjf(c, scale: float, tokenizer) -> dict:
