@@ -22,9 +22,10 @@ requests waiting for its own to end.
 With fair share, a tenant's weighted share of the slots is its own (`owed`): of `total`,
 weight / (the active tenants' weights, its own counted). A flood may hold every slot while
 nobody else asks, but a tenant of the best waiter's tier or better holding less than its
-share is not made to wait for the flood's requests to end: it is let in past `total` (and
-past the best waiter of another tenant). Until the flood's requests end and give their
-slots back, the router holds up to twice `total`. Used from the router's event loop alone.
+share is not made to wait for the flood's requests to end: with no slot free, it is let in
+past `total` (and past the best waiter of another tenant, unless that one has waited its
+max wait). Until the flood's requests end and give their slots back, the router holds up
+to twice `total`, never more. Used from the router's event loop alone.
 """
 
 from __future__ import annotations
@@ -184,10 +185,18 @@ class FairQueue:
         beyond the free ones, freed at the rate slots have been freed."""
         now = self.clock()
         pol = self.tenants.policy(t.tenant)
-        if self._owed(t, pol) and all(
-            pol.tier <= self.tenants.policy(w.tenant).tier for w in self._waiting
+        if (
+            self._owed(t, pol)
+            and self._under_cap(t, pol)
+            and (t.n <= self.free or self.free <= 0)
+            and all(
+                w.tenant != t.tenant
+                and pol.tier <= self.tenants.policy(w.tenant).tier
+                and self._key(w, now, self.tenants.policy(w.tenant))[0] != 0
+                for w in self._waiting
+            )
         ):
-            return 0.0  # its share's slots are its own: it goes in at once
+            return 0.0  # its share's slots are its own: it goes in at once, as in _wake
         mine = self._key(t, now, pol)
         ahead = sum(
             w.n for w in self._waiting if self._key(w, now, self.tenants.policy(w.tenant)) < mine
@@ -238,7 +247,9 @@ class FairQueue:
             return False
         if active_weight is None:
             active_weight = self._active_weight(t.tenant)
-        return self.running[t.tenant] + t.n <= self.total * pol.weight / active_weight
+        share = self.total * pol.weight / active_weight
+        # Never past twice `total` in all, however many tenants come one after another.
+        return self.running[t.tenant] + t.n <= share and t.n <= self.free + self.total
 
     def _active_weight(self, *also: str) -> float:
         return sum(self.tenants.policy(a).weight for a in self.active().union(also))
@@ -257,22 +268,28 @@ class FairQueue:
             open_ = [w for w in self._waiting if self._under_cap(w, policies[w.tenant])]
             if not open_:
                 return
-            best = min(open_, key=lambda w: self._key(w, now, policies[w.tenant]))
+
+            def key(w: Ticket, now=now, policies=policies) -> tuple:
+                return self._key(w, now, policies[w.tenant])
+
+            best = min(open_, key=key)
             weight = self._active_weight() if self.fair_share else 1.0
             if best.n > self.free and not self._owed(best, policies[best.tenant], weight):
-                # Room is kept for it; another tenant of its tier or better, owed slots,
-                # takes its own past it (they come from nobody's free room).
-                tier = policies[best.tenant].tier
+                # Room is kept for it. Only once none is left (a flood holds it all), and
+                # unless it has waited its max wait, another tenant of its tier or better,
+                # owed slots, takes its own past it: from nobody's free room.
+                if self.free > 0 or key(best)[0] == 0:
+                    return
                 owed = [
                     w
                     for w in open_
                     if w.tenant != best.tenant
-                    and policies[w.tenant].tier <= tier
+                    and policies[w.tenant].tier <= policies[best.tenant].tier
                     and self._owed(w, policies[w.tenant], weight)
                 ]
                 if not owed:
                     return
-                best = min(owed, key=lambda w: self._key(w, now, policies[w.tenant]))
+                best = min(owed, key=key)
             self._leave(best)
             self._grant(best)
             best._fut.set_result(None)

@@ -145,6 +145,49 @@ def test_a_tenant_under_its_share_is_not_kept_waiting_by_a_flood_holding_every_s
     assert asyncio.run(go(True, b_tier=2))[0] == [False, False, False]
 
 
+def test_slots_owed_never_pass_room_kept_for_a_wide_request_nor_go_past_twice_the_total():
+    async def wide_waits(max_wait_s):
+        clock = Clock()
+        q = queue(6, clock=clock, max_wait_s=max_wait_s)
+        held = {"b": [], "c": []}
+        for t in ("b", "c") * 3:
+            held[t].append(Ticket(t))
+            await q.acquire(held[t][-1])
+        wide = asyncio.create_task(q.acquire(Ticket("a", 5)))
+        await asyncio.sleep(0)
+        queued = [asyncio.create_task(q.acquire(Ticket(t))) for t in ("b", "c") * 10]
+        await asyncio.sleep(0)
+        rounds = 0
+        while not wide.done() and rounds < 50:  # b and c end one request a round, in turn
+            rounds += 1
+            clock.now += 1.0
+            tenant = "bc"[rounds % 2]
+            if held[tenant]:
+                q.release(held[tenant].pop(0))
+            await asyncio.sleep(0)
+        for t in queued:
+            t.cancel()
+        await asyncio.gather(*queued, return_exceptions=True)
+        return wide.done()
+
+    # b and c, under their share each time one of theirs ends, would take the freed slot
+    # back for ever; the room kept for a's 5 fills instead.
+    assert asyncio.run(wide_waits(None)) and asyncio.run(wide_waits(5.0))
+
+    async def tenants_one_after_another():
+        q = queue(16)
+        for i in range(12):
+            for _ in range(16):
+                task = asyncio.create_task(q.acquire(Ticket(f"t{i}")))
+                await asyncio.sleep(0)
+                if not task.done():
+                    task.cancel()
+                    break
+        return q.total - q.free
+
+    assert 16 < asyncio.run(tenants_one_after_another()) <= 32
+
+
 def test_a_deadline_is_judged_by_the_slots_owed_not_by_the_floods_queue():
     async def go():
         clock = Clock()
@@ -340,11 +383,11 @@ def test_counts_of_idle_tenants_do_not_grow_without_bound():
 
 
 def test_a_waiter_cancelled_in_the_same_turn_as_a_release_takes_nothing():
-    async def go():
-        q = queue(2, fair_share=False)  # with it, b and c are owed slots of their own
+    async def go(fair_share, tenants):
+        q = queue(2, fair_share=fair_share)
         held = Ticket("a", 2)
         await q.acquire(held)
-        waiters = [Ticket("b"), Ticket("c")]
+        waiters = [Ticket(t) for t in tenants]
         tasks = [asyncio.create_task(q.acquire(t)) for t in waiters]
         await asyncio.sleep(0)
         tasks[0].cancel()  # its future is cancelled now, its handler runs later
@@ -352,7 +395,9 @@ def test_a_waiter_cancelled_in_the_same_turn_as_a_release_takes_nothing():
         await asyncio.gather(*tasks, return_exceptions=True)
         return q.free, dict(q.running), q.depth
 
-    assert asyncio.run(go()) == (1, {"c": 1}, 0)
+    assert asyncio.run(go(False, "bc")) == (1, {"c": 1}, 0)
+    # Under fair share, with waiters of the holder's own tenant (owed nothing beyond it).
+    assert asyncio.run(go(True, "aa")) == (1, {"a": 1}, 0)
 
 
 def test_a_cap_lowered_below_a_waiters_choices_refuses_it_and_changes_are_all_or_none():
