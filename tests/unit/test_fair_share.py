@@ -157,6 +157,23 @@ def test_a_decode_that_ran_since_it_last_waited_waits_again_when_asked():
             assert len(out.decodes) >= 5
 
 
+def test_nobody_waits_for_a_request_that_cannot_get_in_this_step():
+    def decodes_when_b_comes(num_blocks, **b):
+        s = make_scheduler(num_blocks=num_blocks, max_num_seqs=8)
+        for i in range(5):
+            add(s, f"a{i}", A, prompt=4, max_tokens=2000)
+        for _ in range(3):
+            run_step(s)
+        add(s, "b", B, **b)
+        return [len(run_step(s)[0].decodes) for _ in range(3)]
+
+    assert decodes_when_b_comes(256, prompt=6, max_tokens=20) == [0, 6, 6]  # it gets in
+    # 4 choices and 3 seats free: it waits for seats, a's decodes do not wait with it.
+    assert decodes_when_b_comes(256, prompt=6, max_tokens=20, n=4) == [5, 5, 5]
+    # Its prompt needs more blocks than are free.
+    assert decodes_when_b_comes(16, prompt=40, max_tokens=20) == [5, 5, 5]
+
+
 def test_a_tenant_at_its_share_makes_nobody_wait_for_its_first_token():
     s = make_scheduler(num_blocks=256, max_num_seqs=8)
     for i in range(3):

@@ -102,13 +102,15 @@ class StepCostModel:
         if not prompt_tokens:
             if decodes not in self._decode:
                 self._decode[decodes], self._steps[decodes] = 0.0, 0
+                bisect.insort(self._sizes, decodes)
             self._steps[decodes] += 1
             self._seen_at[decodes] = self.observations
             weight = max(DECODE_WEIGHT, 1 / self._steps[decodes])  # a plain mean at first
             self._decode[decodes] += weight * (seconds - self._decode[decodes])
-            for n in [n for n, at in self._seen_at.items() if at < self.observations - STALE_STEPS]:
+            old = self.observations - STALE_STEPS
+            for n in [n for n, at in self._seen_at.items() if at < old]:
                 del self._decode[n], self._steps[n], self._seen_at[n]
-            self._sizes = sorted(self._decode)
+                self._sizes.remove(n)
             bound, least = [], math.inf
             for n in reversed(self._sizes):
                 least = min(least, self._decode[n])

@@ -232,7 +232,7 @@ class FairShare(SchedulingPolicy):
             return set()
         w = waiting.tenancy
         over = self._over(waiting, running, seats)
-        if over(w.tenant) + 1 > 0:  # as for a seat: it would hold more than its share
+        if over(w.tenant) + waiting.sampling.n > 0:  # it would hold more than its share
             return set()
         return {
             r.tenancy.tenant

@@ -58,6 +58,7 @@ class Scheduler:
         # Tenants whose decodes wait this step: it gives a tenant under its share of the
         # seats its first token (policy.yielding_to).
         self._yielding: set[str] = set()
+        self._yielded_for: str | None = None  # the last request others' decodes waited for
         self._held_back: dict[str, float] = {}
         # Pacing: the last step scheduled and when, to time it by the next one's start.
         self._timing: tuple[SchedulerOutput, float] | None = None
@@ -275,20 +276,29 @@ class Scheduler:
 
     def _yielding_to_first_token(self, budget: int) -> set[str]:
         """The tenants whose decodes wait this step, when the first waiting request (in the
-        policy's order) gets a seat and its whole prompt in it: its first token comes from
-        a short step, not from one beside the whole batch."""
-        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+        policy's order) gets its seats, its blocks and its whole prompt in it: its first
+        token comes from a short step, not from one beside the whole batch. Once per
+        request: one that still waits after its step (room taken by a preemption, say)
+        makes nobody wait again."""
+        if not self.waiting or self.waiting[0].request_id == self._yielded_for:
             return set()
         first = self.waiting[0]
+        seqs = sum(r.sampling.n if r.forks_pending else 1 for r in [*self.running, first])
+        if seqs > self.config.max_num_seqs:
+            return set()
         left = first.num_tokens - first.num_computed_tokens
         room = budget
         if self.config.enable_chunked_prefill:
             room = min(room, self.config.prefill_chunk_size)
             if self._prompt_allowance is not None:
                 room = min(room, self._prompt_allowance)
-        if left > room:
+        if left > room or not self.kv.can_allocate(first, left, admitting=bool(self.running)):
             return set()
-        return self.policy.yielding_to(first, self.running, self.config.max_num_seqs)
+        seats = self.config.max_num_seqs
+        yielding = self.policy.yielding_to(first, self.running, seats)
+        if yielding:
+            self._yielded_for = first.request_id
+        return yielding
 
     def _holds_back(self, req: Request) -> bool:
         """A decode waits a step, unless it has waited MAX_DECODE_PAUSE_S already (since it
