@@ -17,14 +17,10 @@ from dataclasses import dataclass, field, replace
 
 from cluster import config_io
 from router.config import RouterConfig
-from workers.engine.config import EngineConfig
+from workers.engine.config import EngineConfig, described
 from workers.messages import Pool
 
 MODES = ("disaggregated", "colocated")
-
-
-def _h(text: str, **more) -> dict:
-    return {"help": text, **more}
 
 
 # The signals a pool may scale on, and each one's default target (per worker).
@@ -42,26 +38,27 @@ class AutoscaleConfig:
     draining), and never within cooldown_s of its last change (or of the controller's
     start)."""
 
-    enabled: bool = field(default=False, metadata=_h("size the pool on its signal"))
-    min_replicas: int = field(default=1, metadata=_h("fewest workers"))
-    max_replicas: int = field(default=4, metadata=_h("most workers"))
+    enabled: bool = field(default=False, metadata=described("size the pool on its signal"))
+    min_replicas: int = field(default=1, metadata=described("fewest workers"))
+    max_replicas: int = field(default=4, metadata=described("most workers"))
     signal: str = field(
         default="",
-        metadata=_h(
+        metadata=described(
             "prefill: queued_prefill_tokens (per worker) or ttft_p90 (s); decode: "
             "kv_blocks_used (fraction) or tpot_p90 (s) (default: the first)"
         ),
     )
     target: float = field(
         default=0.0,
-        metadata=_h("the signal's value to hold (default: 2048 tokens, 1 s, 0.7, 0.1 s)"),
+        metadata=described("the signal's value to hold (default: 2048 tokens, 1 s, 0.7, 0.1 s)"),
     )
     cooldown_s: float = field(
-        default=60.0, metadata=_h("seconds between two changes of the pool (against flapping)")
+        default=60.0,
+        metadata=described("seconds between two changes of the pool (against flapping)"),
     )
     drain_timeout_s: float = field(
         default=300.0,
-        metadata=_h("how long a worker being removed may finish its requests before replay"),
+        metadata=described("how long a worker being removed may finish its requests before replay"),
     )
 
     def __post_init__(self) -> None:
@@ -84,25 +81,29 @@ class AutoscaleConfig:
 
 @dataclass(frozen=True)
 class PoolConfig:
-    replicas: int = field(default=1, metadata=_h("workers in the pool", aliases=("--{section}",)))
-    cpus: float = field(default=1.0, metadata=_h("Ray CPUs each worker declares"))
+    replicas: int = field(
+        default=1, metadata=described("workers in the pool", aliases=("--{section}",))
+    )
+    cpus: float = field(default=1.0, metadata=described("Ray CPUs each worker declares"))
     gpus: float = field(
         default=0.0,
-        metadata=_h(
+        metadata=described(
             "Ray GPUs each worker declares: 0, or whole GPUs (a worker on CUDA needs one of "
             "its own; with engine.device auto, gpus >= 1 puts the pool on CUDA)"
         ),
     )
     threads: int | None = field(
-        default=None, metadata=_h("torch threads per worker on CPU (default: its cpus)")
+        default=None, metadata=described("torch threads per worker on CPU (default: its cpus)")
     )
     resources: dict[str, float] = field(
         default_factory=dict,
-        metadata=_h("custom Ray resources each worker needs, e.g. prefill=1 (name=value,...)"),
+        metadata=described(
+            "custom Ray resources each worker needs, e.g. prefill=1 (name=value,...)"
+        ),
     )
     max_replicas: int = field(
         default=64,
-        metadata=_h(
+        metadata=described(
             "the most workers the pool may have: a larger Scale is refused, and a larger "
             "target found in the store is cut to it"
         ),
@@ -139,14 +140,14 @@ REDIS_URL_ENV = "TANDEM_REDIS_URL"
 class RedisConfig:
     url: str | None = field(
         default=None,
-        metadata=_h(
+        metadata=described(
             "redis:// or rediss:// URL, with a password if it needs one (default: the "
             "TANDEM_REDIS_URL environment variable, which keeps the password out of files and "
             "ps; else an embedded redis-server with AOF in data_dir)"
         ),
     )
-    ttl_s: int = field(default=3600, metadata=_h("how long ended requests stay in Redis"))
-    timeout_s: float = field(default=5.0, metadata=_h("socket timeout of every Redis call"))
+    ttl_s: int = field(default=3600, metadata=described("how long ended requests stay in Redis"))
+    timeout_s: float = field(default=5.0, metadata=described("socket timeout of every Redis call"))
 
     def __post_init__(self) -> None:
         if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
@@ -159,27 +160,30 @@ class RedisConfig:
 class ClusterConfig:
     mode: str = field(
         default="disaggregated",
-        metadata=_h("split prefill and decode into two pools, or run both in one", choices=MODES),
+        metadata=described(
+            "split prefill and decode into two pools, or run both in one", choices=MODES
+        ),
     )
     data_dir: str = field(
-        default="./tandem-data", metadata=_h("where the embedded Redis keeps its AOF")
+        default="./tandem-data", metadata=described("where the embedded Redis keeps its AOF")
     )
     ray_address: str | None = field(
-        default=None, metadata=_h("join this Ray cluster (default: start a local one)")
+        default=None, metadata=described("join this Ray cluster (default: start a local one)")
     )
     ray_num_cpus: int | None = field(
-        default=None, metadata=_h("logical CPUs of a local Ray (default: what the pools need)")
+        default=None,
+        metadata=described("logical CPUs of a local Ray (default: what the pools need)"),
     )
-    dashboard: bool = field(default=True, metadata=_h("start the Ray dashboard"))
+    dashboard: bool = field(default=True, metadata=described("start the Ray dashboard"))
     metrics_export_port: int | None = field(
         default=None,
-        metadata=_h(
+        metadata=described(
             "port of a local Ray's Prometheus endpoint, Tandem's series included "
             "(default: one Ray picks; a joined Ray keeps its own)"
         ),
     )
     transfer_timeout_s: float = field(
-        default=10.0, metadata=_h("longest wait of any KV rendezvous, send or receive")
+        default=10.0, metadata=described("longest wait of any KV rendezvous, send or receive")
     )
     engine: EngineConfig = field(default_factory=EngineConfig)
     prefill: PoolConfig = field(default_factory=PoolConfig)

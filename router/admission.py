@@ -49,17 +49,26 @@ class AdmissionControl:
         self.metrics = metrics
         self.tenants = TenantTable(config.tenants)
         self.predictor = LengthPredictor()
-        self.slots = FairQueue(config.max_in_flight, self.tenants)  # n choices take n
+        self.slots = FairQueue(  # n choices take n
+            config.max_in_flight,
+            self.tenants,
+            config.admission_policy,
+            config.admission_fair_share,
+            config.admission_aging_per_s,
+            config.admission_max_wait_s,
+        )
         self._tenants_version = 0  # of the overrides read from the store (0: none)
-        self.configure(config)
 
     def configure(self, c: RouterConfig) -> None:
         """The admission order from the next slot freed on (the tenants change through
         `tenants.update`; max_in_flight is fixed at start)."""
-        q = self.slots
-        q.policy, q.fair_share = c.admission_policy, c.admission_fair_share
-        q.aging_per_s, q.max_wait_s = c.admission_aging_per_s, c.admission_max_wait_s
-        q.recheck()
+        self.slots.configure(
+            c.admission_policy,
+            c.admission_fair_share,
+            c.admission_aging_per_s,
+            c.admission_max_wait_s,
+        )
+        self.slots.recheck()
 
     def update(self, changes: dict[str, dict], resets=()) -> None:
         """Change tenants' policies on this router alone: `resets` back to the config's, then
@@ -181,7 +190,7 @@ class AdmissionControl:
                 self.tenants.policy(name),
                 running=q.running.get(name, 0),
                 waiting=q.waiting(name),
-                served=q.counters.get(name, 0.0),
+                served=q.ledger.count(name),
                 quota_left=self.tenants.quota_left(name),
             )
             for name in sorted(set(self.tenants.names()) | q.active())

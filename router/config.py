@@ -6,61 +6,61 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from router.tenants import TenantsConfig
+from workers.engine.config import described
+from workers.engine.orders import Side, order_names
 
-ADMISSION_POLICIES = ("fcfs", "priority", "sjf", "slack")
-
-
-def _h(text: str, **more) -> dict:
-    return {"help": text, **more}
+ADMISSION_POLICIES = order_names(Side.ROUTER)  # the orders a router serves (orders.py)
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    host: str = field(default="127.0.0.1", metadata=_h("address the gRPC server binds"))
-    port: int = field(default=50051, metadata=_h("gRPC port (0 picks a free one)"))
+    host: str = field(default="127.0.0.1", metadata=described("address the gRPC server binds"))
+    port: int = field(default=50051, metadata=described("gRPC port (0 picks a free one)"))
     http_port: int | None = field(
         default=None,
-        metadata=_h("OpenAI-compatible HTTP port on the same host (off unless set; 0 picks one)"),
+        metadata=described(
+            "OpenAI-compatible HTTP port on the same host (off unless set; 0 picks one)"
+        ),
     )
     auth_token: str | None = field(
         default=None,
-        metadata=_h(
+        metadata=described(
             "one key with every scope, of the tenant 'default' (a flag shows in ps: prefer "
             "the TANDEM_AUTH_TOKEN environment variable or api_keys_file)"
         ),
     )
     api_keys_file: str | None = field(
         default=None,
-        metadata=_h(
+        metadata=described(
             "YAML file of API keys, each as its SHA-256 with a tenant and scopes "
             "(`tandem keys new`); with it or auth_token, every call needs a key"
         ),
     )
     tls_cert: str | None = field(
-        default=None, metadata=_h("PEM certificate: serve gRPC and HTTP over TLS only")
+        default=None, metadata=described("PEM certificate: serve gRPC and HTTP over TLS only")
     )
-    tls_key: str | None = field(default=None, metadata=_h("PEM private key of tls_cert"))
+    tls_key: str | None = field(default=None, metadata=described("PEM private key of tls_cert"))
     tls_client_ca: str | None = field(
         default=None,
-        metadata=_h("PEM CA: clients must present a certificate it signed (mutual TLS)"),
+        metadata=described("PEM CA: clients must present a certificate it signed (mutual TLS)"),
     )
     tls_ca: str | None = field(
         default=None,
-        metadata=_h(
+        metadata=described(
             "PEM CA of the other routers' certificates, to verify the controller router "
             "this one forwards Admin calls to (default: tls_client_ca)"
         ),
     )
     max_in_flight: int = field(
         default=256,
-        metadata=_h(
+        metadata=described(
             "sequences generating at once (a request of n choices takes n); with "
             "admission_fair_share, a tenant under its weighted share of them goes in past it"
         ),
     )
     admission_policy: str = field(
         default="fcfs",
-        metadata=_h(
+        metadata=described(
             "order of the requests waiting for a slot, within a tier and (with "
             "admission_fair_share) behind the tenant least served: fcfs, priority (the "
             "request's, aged), sjf (least predicted cost), slack (least time to its TTFT "
@@ -70,61 +70,64 @@ class RouterConfig:
     )
     admission_fair_share: bool = field(
         default=True,
-        metadata=_h("admit the tenant served least for its weight first (tokens, as VTC)"),
+        metadata=described("admit the tenant served least for its weight first (tokens, as VTC)"),
     )
     admission_aging_per_s: float = field(
         default=0.0,
-        metadata=_h("priority policy: priority a waiting request gains each second"),
+        metadata=described("priority policy: priority a waiting request gains each second"),
     )
     admission_max_wait_s: float | None = field(
         default=None,
-        metadata=_h(
+        metadata=described(
             "a request waiting this long for a slot goes ahead of all that have not "
             "(a tenant's own tenants.max_wait_s first; default: off)"
         ),
     )
     tenants: TenantsConfig = field(default_factory=TenantsConfig)
     max_resumes: int = field(
-        default=1024, metadata=_h("Resume streams open at once; past it: RESOURCE_EXHAUSTED")
+        default=1024, metadata=described("Resume streams open at once; past it: RESOURCE_EXHAUSTED")
     )
     max_queue: int = field(
-        default=1024, metadata=_h("requests waiting for a slot; past it: RESOURCE_EXHAUSTED")
+        default=1024, metadata=described("requests waiting for a slot; past it: RESOURCE_EXHAUSTED")
     )
     reserve_timeout_s: float = field(
         default=60.0,
-        metadata=_h(
+        metadata=described(
             "how long a request waits for room on a decode worker while none frees any (while "
             "they free blocks it waits on, up to prefill_timeout_s)"
         ),
     )
-    prefill_timeout_s: float = field(default=300.0, metadata=_h("longest wait for a prefill"))
-    rpc_timeout_s: float = field(default=30.0, metadata=_h("longest wait for a worker call"))
+    prefill_timeout_s: float = field(
+        default=300.0, metadata=described("longest wait for a prefill")
+    )
+    rpc_timeout_s: float = field(default=30.0, metadata=described("longest wait for a worker call"))
     status_interval_s: float = field(
-        default=0.5, metadata=_h("how often worker loads and liveness are refreshed")
+        default=0.5, metadata=described("how often worker loads and liveness are refreshed")
     )
     stall_timeout_s: float = field(
         default=120.0,
-        metadata=_h(
+        metadata=described(
             "an attempt with no token for this long is given up, and a worker whose engine "
             "step has run this long is marked dead (hung)"
         ),
     )
     local_prefill_max_tokens: int = field(
         default=0,
-        metadata=_h(
+        metadata=described(
             "disaggregated mode: a request of at most this many tokens (its prompt, and on a "
             "replay the tokens already sent) is prefilled on its decode worker, mixed into "
             "its batches, with no prefill queue and no KV transfer; 0: never"
         ),
     )
     replay: bool = field(
-        default=True, metadata=_h("replay a request whose worker failed on another worker")
+        default=True, metadata=described("replay a request whose worker failed on another worker")
     )
     max_retries: int = field(
-        default=3, metadata=_h("replays of one request before it ends with UNAVAILABLE")
+        default=3, metadata=described("replays of one request before it ends with UNAVAILABLE")
     )
     replay_wait_s: float = field(
-        default=120.0, metadata=_h("how long a replay waits for a live worker (e.g. a replacement)")
+        default=120.0,
+        metadata=described("how long a replay waits for a live worker (e.g. a replacement)"),
     )
 
     def __post_init__(self) -> None:

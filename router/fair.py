@@ -4,15 +4,13 @@ n choices taking n, handed out in an order made of, from the first that differs:
 1. a request that has waited its tenant's `max_wait_s` (or the router's) goes first of all,
    in arrival order: nobody waits for ever, whatever the policy;
 2. the tenant's `tier`, lower first;
-3. with fair share, the tenant's virtual token count: tokens served to it (prompt tokens
-   counted once at admission, output tokens as they stream, an output token weighing
-   `OUTPUT_COST` prompt tokens) divided by its `weight`. A tenant that starts waiting again
-   is lifted to the least count of the tenants active now, so a quiet spell banks nothing
-   (VTC, Sheng et al., OSDI 2024). The tenant served least for its weight goes first;
-4. the policy (`admission_policy`): `fcfs`; `priority` (the request's, lower first, minus
-   `aging_per_s` for each second waited); `sjf` (the predicted cost: prompt tokens plus n
-   times the predicted output, weighted as above); `slack` (time left to the TTFT deadline
-   less the predicted time to a first token; requests with no deadline after those with one);
+3. with fair share, the tenant's virtual token count in the ledger it shares with the
+   engines (workers/engine/fairness.py): prompt tokens charged once at admission, output
+   tokens as they stream. A tenant that starts waiting again is lifted to the least count of
+   the tenants active now (holding or waiting for slots). The tenant served least for its
+   weight goes first;
+4. the order (`admission_policy`, from the registry of workers/engine/orders.py): `fcfs`;
+   `priority`; `sjf` (the prompt plus n times the predicted output); `slack`;
 5. arrival.
 
 The best request waits for room rather than let later ones pass it, so a request of many
@@ -32,22 +30,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from router.config import ADMISSION_POLICIES
 from router.errors import RouterError
 from router.predictor import LinearFit
 from router.tenants import Tenant, TenantTable
-from workers.engine.policy import OUTPUT_COST
+from workers.engine.fairness import OVERDUE, Ledger, cost, owed
+from workers.engine.orders import Order, Side, make_order
 from workers.messages import Status
-
-PROMPT_COST = 1.0  # and an output token OUTPUT_COST: a decode step's token costs more
-# Counts kept for tenants with nothing here: past this many, they are forgotten (a router
-# without keys takes whatever tenant a request names; its table must not grow for ever).
-MAX_IDLE_COUNTS = 4096
 
 
 @dataclass(eq=False)
@@ -68,9 +60,18 @@ class Ticket:
     _fut: asyncio.Future | None = field(default=None, repr=False)
     _late: asyncio.TimerHandle | None = field(default=None, repr=False)
 
+    # -- as an order sees it (orders.Work) ----------------------------------------------------
     @property
-    def cost(self) -> float:
-        return PROMPT_COST * self.prompt_tokens + OUTPUT_COST * self.n * self.predicted_tokens
+    def prompt_left(self) -> int:
+        return self.prompt_tokens
+
+    @property
+    def output_left(self) -> float:
+        return self.n * self.predicted_tokens
+
+    @property
+    def deadline(self) -> float | None:
+        return self.ttft_deadline
 
 
 class FairQueue:
@@ -84,19 +85,30 @@ class FairQueue:
         max_wait_s: float | None = None,
         clock=time.monotonic,
     ) -> None:
-        if policy not in ADMISSION_POLICIES:
-            raise ValueError(f"admission policy {policy!r}: choose {', '.join(ADMISSION_POLICIES)}")
         self.total = self.free = total
         self.tenants = tenants
-        self.policy, self.fair_share = policy, fair_share
-        self.aging_per_s, self.max_wait_s = aging_per_s, max_wait_s
         self.clock = clock
-        self.counters: dict[str, float] = {}  # virtual tokens: served / weight
+        self.ledger = Ledger(fair_share)  # virtual tokens: served / weight
         self.running: Counter[str] = Counter()  # slots held, by tenant
         self._waiting: list[Ticket] = []
         self._seq = itertools.count()
         self.first_token_s = LinearFit(prior=0.5)  # slot to first token, by prompt tokens
         self.hold_s = LinearFit(prior=5.0)  # a slot's holding time, by predicted output
+        self.configure(policy, fair_share, aging_per_s, max_wait_s)
+
+    def configure(
+        self, policy: str, fair_share: bool, aging_per_s: float, max_wait_s: float | None
+    ) -> None:
+        """The order from the next slot handed out on (ValueError naming the choices for an
+        order the router does not serve)."""
+        self.order: Order = make_order(
+            policy, Side.ROUTER, aging_per_s=aging_per_s, first_token_s=self.first_token_s
+        )
+        self.ledger.fair, self.max_wait_s = fair_share, max_wait_s
+
+    @property
+    def fair_share(self) -> bool:
+        return self.ledger.fair
 
     # -- slots ------------------------------------------------------------------------------
     def check(self, t: Ticket) -> None:
@@ -165,14 +177,12 @@ class FairQueue:
             del self.running[t.tenant]
         self.hold_s.add(t.predicted_tokens, self.clock() - t.granted_at)
         t.granted_at = None
-        if len(self.counters) > MAX_IDLE_COUNTS:
-            active = self.active()
-            self.counters = {k: v for k, v in self.counters.items() if k in active}
+        self.ledger.prune(self.active())
         self._wake()
 
     def served(self, tenant: str, output_tokens: int) -> None:
         """Output tokens streamed to a tenant: they count against its share."""
-        self._charge(tenant, OUTPUT_COST * output_tokens)
+        self._charge(tenant, cost(output_tokens=output_tokens))
 
     def first_token(self, t: Ticket) -> None:
         """t's first token arrived: learn how long a prompt of its length takes."""
@@ -192,7 +202,7 @@ class FairQueue:
             and all(
                 w.tenant != t.tenant
                 and pol.tier <= self.tenants.policy(w.tenant).tier
-                and self._key(w, now, self.tenants.policy(w.tenant))[0] != 0
+                and self._key(w, now, self.tenants.policy(w.tenant))[:3] != OVERDUE
                 for w in self._waiting
             )
         ):
@@ -218,23 +228,10 @@ class FairQueue:
     # -- internals --------------------------------------------------------------------------
     def _key(self, t: Ticket, now: float, pol: Tenant) -> tuple:
         cap = pol.max_wait_s if pol.max_wait_s is not None else self.max_wait_s
-        waited = now - t.arrival
-        if cap is not None and waited >= cap:
-            return (0, t.arrival, t.seq)
-        share = self.counters.get(t.tenant, 0.0) if self.fair_share else 0.0
-        if self.policy == "priority":
-            k = t.priority - self.aging_per_s * waited
-        elif self.policy == "sjf":
-            k = t.cost
-        elif self.policy == "slack":
-            k = (
-                t.ttft_deadline - now - self.first_token_s(t.prompt_tokens)
-                if t.ttft_deadline is not None
-                else math.inf
-            )
-        else:
-            k = 0.0
-        return (1, pol.tier, share, k, t.arrival, t.seq)
+        head = self.ledger.head(t.tenant, pol.tier, now - t.arrival, cap)
+        if head == OVERDUE:  # in arrival order, whatever the order
+            return (*head, t.arrival, t.seq)
+        return (*head, *self.order.key(t, now), t.arrival, t.seq)
 
     def _fits(self, t: Ticket, pol: Tenant) -> bool:
         return self._under_cap(t, pol) and (t.n <= self.free or self._owed(t, pol))
@@ -247,9 +244,9 @@ class FairQueue:
             return False
         if active_weight is None:
             active_weight = self._active_weight(t.tenant)
-        share = self.total * pol.weight / active_weight
         # Never past twice `total` in all, however many tenants come one after another.
-        return self.running[t.tenant] + t.n <= share and t.n <= self.free + self.total
+        mine = owed(self.running[t.tenant], t.n, pol.weight, self.total, active_weight)
+        return mine and t.n <= self.free + self.total
 
     def _active_weight(self, *also: str) -> float:
         return sum(self.tenants.policy(a).weight for a in self.active().union(also))
@@ -278,7 +275,7 @@ class FairQueue:
                 # Room is kept for it. Only once none is left (a flood holds it all), and
                 # unless it has waited its max wait, another tenant of its tier or better,
                 # owed slots, takes its own past it: from nobody's free room.
-                if self.free > 0 or key(best)[0] == 0:
+                if self.free > 0 or key(best)[:3] == OVERDUE:
                     return
                 owed = [
                     w
@@ -298,7 +295,7 @@ class FairQueue:
         self.free -= t.n
         self.running[t.tenant] += t.n
         t.granted_at = self.clock()
-        self._charge(t.tenant, PROMPT_COST * t.prompt_tokens)
+        self._charge(t.tenant, cost(prompt_tokens=t.prompt_tokens))
 
     def _leave(self, t: Ticket) -> None:
         if t in self._waiting:
@@ -309,15 +306,11 @@ class FairQueue:
     def _lift(self, tenant: str) -> None:
         """A tenant that starts waiting again starts at the least count of the active ones."""
         active = self.active()
-        if tenant in active:
-            return
-        floor = min((self.counters.get(a, 0.0) for a in active), default=None)
-        if floor is not None:
-            self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+        if tenant not in active:
+            self.ledger.lift(tenant, active)
 
-    def _charge(self, tenant: str, cost: float) -> None:
-        weight = self.tenants.policy(tenant).weight
-        self.counters[tenant] = self.counters.get(tenant, 0.0) + cost / weight
+    def _charge(self, tenant: str, tokens_cost: float) -> None:
+        self.ledger.charge(tenant, tokens_cost, self.tenants.policy(tenant).weight)
 
     def _refuse_if_late(self, t: Ticket, wait_s: float) -> None:
         if t.ttft_deadline is None:

@@ -28,15 +28,13 @@ import re
 import time
 from dataclasses import dataclass, field, fields, replace
 
+from workers.engine.config import described
+
 DEFAULT = "default"
 MAX_CACHED = 4096  # tenants whose policy or quota bucket is kept at once
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 # The SLO defaults are per tier: their mappings are keyed by the tier's number.
 TIER_FIELDS = ("tier_ttft_slo_ms", "tier_tpot_slo_ms")
-
-
-def _h(text: str) -> dict:
-    return {"help": text}
 
 
 @dataclass(frozen=True)
@@ -81,28 +79,36 @@ assert POLICY_FIELDS == tuple(f.name for f in fields(Tenant) if f.name != "name"
 @dataclass(frozen=True)
 class TenantsConfig:
     weight: dict = field(
-        default_factory=dict, metadata=_h("tenant=weight: share while tenants wait (default 1)")
+        default_factory=dict,
+        metadata=described("tenant=weight: share while tenants wait (default 1)"),
     )
     max_concurrency: dict = field(
         default_factory=dict,
-        metadata=_h("tenant=N: sequences it may run at once; past it, it queues (0: no cap)"),
+        metadata=described(
+            "tenant=N: sequences it may run at once; past it, it queues (0: no cap)"
+        ),
     )
     tokens_per_minute: dict = field(
         default_factory=dict,
-        metadata=_h("tenant=N: prompt and output tokens a minute; past it, 429 (0: no quota)"),
+        metadata=described(
+            "tenant=N: prompt and output tokens a minute; past it, 429 (0: no quota)"
+        ),
     )
     tier: dict = field(
-        default_factory=dict, metadata=_h("tenant=T: priority class, 0 served first (default 1)")
+        default_factory=dict,
+        metadata=described("tenant=T: priority class, 0 served first (default 1)"),
     )
     max_wait_s: dict = field(
         default_factory=dict,
-        metadata=_h("tenant=S: longest wait for a slot before going first"),
+        metadata=described("tenant=S: longest wait for a slot before going first"),
     )
     tier_ttft_slo_ms: dict = field(
-        default_factory=dict, metadata=_h("tier=MS: default ttft_slo_ms of a tier's requests")
+        default_factory=dict,
+        metadata=described("tier=MS: default ttft_slo_ms of a tier's requests"),
     )
     tier_tpot_slo_ms: dict = field(
-        default_factory=dict, metadata=_h("tier=MS: default tpot_slo_ms of a tier's requests")
+        default_factory=dict,
+        metadata=described("tier=MS: default tpot_slo_ms of a tier's requests"),
     )
 
     def __post_init__(self) -> None:

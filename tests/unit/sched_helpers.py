@@ -9,9 +9,14 @@ from workers.engine.scheduler_output import SampledToken
 EOS = 0
 
 
-def make_scheduler(num_blocks=64, block_size=4, prefix_caching=True, **cfg) -> Scheduler:
+def make_scheduler(
+    num_blocks=64, block_size=4, prefix_caching=True, clock=None, **cfg
+) -> Scheduler:
     cfg.setdefault("watermark", 0.0)
-    return Scheduler(SchedulerConfig(**cfg), BlockPool(num_blocks, block_size, prefix_caching))
+    pool = BlockPool(num_blocks, block_size, prefix_caching)
+    if clock is None:
+        return Scheduler(SchedulerConfig(**cfg), pool)
+    return Scheduler(SchedulerConfig(**cfg), pool, clock)
 
 
 def make_request(

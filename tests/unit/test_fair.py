@@ -217,14 +217,14 @@ def test_weights_give_slots_in_their_ratio():
 def test_a_tenant_back_from_idle_has_banked_nothing():
     async def go():
         q = queue(1)
-        q.counters.update({"a": 1000.0, "b": 0.0})  # b was quiet while a was served
+        q.ledger.counters.update({"a": 1000.0, "b": 0.0})  # b was quiet while a was served
         await q.acquire(a := Ticket("a"))
         b = Ticket("b")
         task = asyncio.create_task(q.acquire(b))
         await asyncio.sleep(0)
         q.release(a)
         await task
-        return q.counters["b"]
+        return q.ledger.counters["b"]
 
     assert asyncio.run(go()) == 1000.0  # lifted to a's count, not 1000 tokens ahead
 
@@ -366,7 +366,7 @@ def test_run_time_changes_sit_on_the_config_and_a_reset_takes_them_off():
 
 
 def test_counts_of_idle_tenants_do_not_grow_without_bound():
-    from router.fair import MAX_IDLE_COUNTS
+    from workers.engine.fairness import MAX_IDLE_COUNTS
 
     async def go():
         q = queue(2)
@@ -376,7 +376,7 @@ def test_counts_of_idle_tenants_do_not_grow_without_bound():
             t = Ticket(f"t{i}", prompt_tokens=3)
             await q.acquire(t)
             q.release(t)
-        return len(q.counters), "busy" in q.counters
+        return len(q.ledger.counters), "busy" in q.ledger.counters
 
     n, kept = asyncio.run(go())
     assert n <= MAX_IDLE_COUNTS and kept  # the active tenant's count is never dropped

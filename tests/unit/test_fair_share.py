@@ -141,8 +141,7 @@ def test_a_tenant_under_its_share_gets_its_first_token_from_a_step_without_the_f
 
 def test_a_decode_that_ran_since_it_last_waited_waits_again_when_asked():
     clock = [100.0]
-    s = make_scheduler(num_blocks=256, max_num_seqs=8)
-    s.clock = lambda: clock[0]
+    s = make_scheduler(num_blocks=256, max_num_seqs=8, clock=lambda: clock[0])
     for i in range(5):
         add(s, f"a{i}", A, prompt=4, max_tokens=2000)
     for _ in range(3):
@@ -249,7 +248,7 @@ def test_greedy_outputs_and_blocks_do_not_depend_on_the_policy(tiny_llama_dir):
 
 
 def test_the_engine_forgets_counts_of_tenants_long_gone():
-    from workers.engine.policy import MAX_IDLE_COUNTS
+    from workers.engine.fairness import MAX_IDLE_COUNTS
     from workers.engine.request import RequestStatus
 
     s = make_scheduler(num_blocks=64, max_num_seqs=2)
@@ -257,7 +256,7 @@ def test_the_engine_forgets_counts_of_tenants_long_gone():
     for i in range(MAX_IDLE_COUNTS + 20):
         add(s, f"r{i}", Tenancy(f"t{i}"))
         s.finish_request(f"r{i}", RequestStatus.FINISHED_CANCELLED)
-    counters = s.policy.counters
+    counters = s.policy.ledger.counters
     assert len(counters) <= MAX_IDLE_COUNTS and "stay" in counters
 
 

@@ -27,9 +27,9 @@ def paced_scheduler(target_ms=50.0, chunk=64, **cfg):
         prefill_chunk_size=chunk,
         max_num_batched_tokens=256,
         target_tpot_ms=target_ms,
+        clock=clock,
         **cfg,
     )
-    s.clock = clock
     return s, clock
 
 
@@ -39,7 +39,7 @@ def teach(s, decode_s=0.010, per_decode_s=0.001, chunk_s=0.005, per_token_s=0.00
     for _ in range(steps):
         d, p = int(rng.integers(0, 9)), int(rng.integers(0, 3)) * int(rng.integers(1, 65))
         t = decode_s + per_decode_s * d + (chunk_s + per_token_s * p if p else 0.0)
-        s.pacer.observe(d, p, t, s.clock())
+        s.gates.pacer.observe(d, p, t, s.clock())
 
 
 def step_for(s, clock, seconds):
@@ -198,12 +198,12 @@ def test_a_lone_decode_and_a_paced_prompt_wait_for_blocks_a_reservation_holds():
     s.add_request(make_request("r", prompt_len=8, max_tokens=500))
     step_for(s, clock, 0.02)  # its prompt fills 2 blocks; its next token needs a third
     assert s.reserve("held", 4 * s.pool.num_free_blocks) is not None  # every other block
-    s.pacer.prompt_allowance = lambda decoding, now, max_model_len: 0 if decoding else None
+    s.gates.pacer.prompt_allowance = lambda decoding, now, max_model_len: 0 if decoding else None
     s.add_request(make_request("w", prompt_len=4, max_tokens=2, first_token=9))
     out = s.schedule()  # r needs a block the reservation holds: r and w wait
     assert out.failed == [] and not out.decodes and not out.prefills
     assert s.requests["r"] in s.running and s.requests["w"] in s.waiting
-    s.release("held")
+    s.kv.release("held")
     out = step_for(s, clock, 0.02)
     assert [d.request_id for d in out.decodes] == ["r"] and out.failed == []
     assert s.requests["w"] in s.waiting  # still paced while r decodes, never failed
@@ -248,7 +248,7 @@ def test_engine_paced_greedy_output_equals_unpaced(tiny_llama_dir):
         )
         sched = engine.scheduler
         if target:
-            sched.pacer.prompt_allowance = lambda decoding, now, max_model_len: 4
+            sched.gates.pacer.prompt_allowance = lambda decoding, now, max_model_len: 4
             schedule = sched.schedule
 
             def record(schedule=schedule):
@@ -269,8 +269,7 @@ def test_a_requests_own_tpot_target_holds_back_decodes_without_one():
     from workers.engine.request import Tenancy
 
     clock = Clock()
-    s = make_scheduler(num_blocks=4096, block_size=4, max_num_batched_tokens=256)
-    s.clock = clock
+    s = make_scheduler(num_blocks=4096, block_size=4, max_num_batched_tokens=256, clock=clock)
     # A decode step costs 10 ms + 2 ms per decode: 8 decodes take 26 ms.
     teach(s, decode_s=0.010, per_decode_s=0.002, chunk_s=0.005, per_token_s=0.001)
     for i in range(7):
@@ -288,8 +287,7 @@ def test_a_requests_own_tpot_target_holds_back_decodes_without_one():
             made[r.request_id] = made.get(r.request_id, 0) + 1
     assert all(n > 0 for n in made.values()), made
     # Without a target anywhere, nothing is held back.
-    s2 = make_scheduler(num_blocks=4096, block_size=4, max_num_batched_tokens=256)
-    s2.clock = clock
+    s2 = make_scheduler(num_blocks=4096, block_size=4, max_num_batched_tokens=256, clock=clock)
     teach(s2, decode_s=0.010, per_decode_s=0.002)
     for i in range(8):
         s2.add_request(make_request(f"r{i}", 4, 200))
@@ -302,8 +300,7 @@ def test_a_target_out_of_reach_holds_nobody_back():
 
     def decodes_beside(target_ms):
         clock = Clock()
-        s = make_scheduler(num_blocks=4096, block_size=4, max_num_batched_tokens=256)
-        s.clock = clock
+        s = make_scheduler(num_blocks=4096, block_size=4, max_num_batched_tokens=256, clock=clock)
         teach(s, decode_s=0.010, per_decode_s=0.002)  # one decode alone: 12 ms
         for i in range(6):
             s.add_request(make_request(f"bulk{i}", 4, 200, tenancy=Tenancy("a")))

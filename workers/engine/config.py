@@ -7,10 +7,11 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
+from workers.engine.orders import Side, order_names
 from workers.model.flash_rules import ATTENTION_BACKENDS, FLASH_PAGE_MULTIPLE, flash_refusal
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-POLICIES = ("fcfs", "priority", "shortest-first", "sjf")
+POLICIES = order_names(Side.ENGINE)  # the orders an engine serves (orders.py)
 BATCHING = ("continuous", "static")
 # What "auto" resolves to on each kind of device: a dtype and block size every backend there
 # takes (flash-attn's pages are 256 tokens; the fallbacks take any size). On a GPU older than
@@ -18,7 +19,9 @@ BATCHING = ("continuous", "static")
 AUTO = {"cuda": ("bfloat16", FLASH_PAGE_MULTIPLE), "cpu": ("float32", 16)}
 
 
-def _h(text: str, **more) -> dict:
+def described(text: str, **more) -> dict:
+    """A config field's metadata: its help text (for the flag and `--help`), and `choices`
+    or `aliases` (cluster/config_io.py reads them). Every config tree's fields use it."""
     return {"help": text, **more}
 
 
@@ -78,52 +81,55 @@ class SchedulerConfig:
 class EngineConfig:
     model: str | None = field(
         default=None,
-        metadata=_h("a .gguf file or an HF folder (default: SmolLM2-135M-Instruct)"),
+        metadata=described("a .gguf file or an HF folder (default: SmolLM2-135M-Instruct)"),
     )
     dtype: str = field(
         default="auto",
-        metadata=_h(
+        metadata=described(
             "weights and KV cache (auto: bfloat16 on CUDA, float32 on CPU)", choices=DTYPES
         ),
     )
     device: str = field(
-        default="auto", metadata=_h("auto, cpu or cuda[:N] (auto: CUDA where a GPU is at hand)")
+        default="auto",
+        metadata=described("auto, cpu or cuda[:N] (auto: CUDA where a GPU is at hand)"),
     )
     attention_backend: str = field(
         default="auto",
-        metadata=_h(
+        metadata=described(
             "auto: flash-attn on CUDA where installed and the config suits it, else a paged "
             "torch path (Triton on CUDA, Tandem's kernels on CPU)",
             choices=ATTENTION_BACKENDS,
         ),
     )
     block_size: int | None = field(
-        default=None, metadata=_h("tokens per KV block (default: 256 on CUDA, 16 on CPU)")
+        default=None, metadata=described("tokens per KV block (default: 256 on CUDA, 16 on CPU)")
     )
     num_kv_blocks: int | None = field(
-        default=None, metadata=_h("KV blocks (default: as many as --kv-cache-gb holds)")
+        default=None, metadata=described("KV blocks (default: as many as --kv-cache-gb holds)")
     )
-    kv_cache_gb: float = field(default=1.0, metadata=_h("KV cache memory per worker, GiB"))
+    kv_cache_gb: float = field(default=1.0, metadata=described("KV cache memory per worker, GiB"))
     max_model_len: int | None = field(
-        default=None, metadata=_h("context length (default: the model's own)")
+        default=None, metadata=described("context length (default: the model's own)")
     )
-    max_num_seqs: int = field(default=64, metadata=_h("sequences in one batch"))
-    max_num_batched_tokens: int = field(default=2048, metadata=_h("tokens in one step"))
+    max_num_seqs: int = field(default=64, metadata=described("sequences in one batch"))
+    max_num_batched_tokens: int = field(default=2048, metadata=described("tokens in one step"))
     enable_chunked_prefill: bool = field(
-        default=True, metadata=_h("split long prompts into chunks mixed with decodes")
+        default=True, metadata=described("split long prompts into chunks mixed with decodes")
     )
-    prefill_chunk_size: int = field(default=512, metadata=_h("most prompt tokens per step"))
+    prefill_chunk_size: int = field(default=512, metadata=described("most prompt tokens per step"))
     target_tpot_ms: float | None = field(
         default=None,
-        metadata=_h(
+        metadata=described(
             "mean time per output token to keep running sequences at: each step's prompt "
             "chunk is sized to the time they can spare (default: off, full chunks)"
         ),
     )
-    enable_prefix_caching: bool = field(default=True, metadata=_h("reuse KV of shared prefixes"))
+    enable_prefix_caching: bool = field(
+        default=True, metadata=described("reuse KV of shared prefixes")
+    )
     policy: str = field(
         default="fcfs",
-        metadata=_h(
+        metadata=described(
             "scheduling order: fcfs, priority (lower first), shortest-first (prompt tokens "
             "left), sjf (prompt left plus predicted output left)",
             choices=POLICIES,
@@ -131,35 +137,39 @@ class EngineConfig:
     )
     fair_share: bool = field(
         default=True,
-        metadata=_h("tenants first by tier, then by tokens served for their weight (VTC)"),
+        metadata=described("tenants first by tier, then by tokens served for their weight (VTC)"),
     )
     aging_per_s: float = field(
-        default=0.0, metadata=_h("priority policy: priority a request gains per second waiting")
+        default=0.0,
+        metadata=described("priority policy: priority a request gains per second waiting"),
     )
     max_wait_s: float | None = field(
         default=None,
-        metadata=_h(
+        metadata=described(
             "a request waiting this long goes ahead of all that have not, whatever the policy "
             "(default: off; shortest-first and sjf then let none wait past 10 s)"
         ),
     )
     prefill_share: float = field(
         default=1.0,
-        metadata=_h(
+        metadata=described(
             "decode-first to prefill-first: the most of a step's tokens prompt chunks may "
             "take while decodes run (1: all the decodes leave)"
         ),
     )
-    batching: str = field(default="continuous", metadata=_h("", choices=BATCHING))
+    batching: str = field(default="continuous", metadata=described("", choices=BATCHING))
     seed: int = field(
-        default=0, metadata=_h("seeds the draw of per-request seeds for requests that set none")
+        default=0,
+        metadata=described("seeds the draw of per-request seeds for requests that set none"),
     )
     num_threads: int | None = field(
-        default=None, metadata=_h("torch intra-op threads on CPU (default: torch's choice)")
+        default=None, metadata=described("torch intra-op threads on CPU (default: torch's choice)")
     )
     cuda_graphs: bool = field(
         default=True,
-        metadata=_h("replay decode steps from CUDA graphs captured per batch size (CUDA only)"),
+        metadata=described(
+            "replay decode steps from CUDA graphs captured per batch size (CUDA only)"
+        ),
     )
 
     def __post_init__(self) -> None:

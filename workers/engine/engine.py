@@ -45,6 +45,7 @@ from workers.engine.request import (
     choice_id,
     choice_index,
     split_choice,
+    stop_status,
 )
 from workers.engine.scheduler import Scheduler
 from workers.engine.scheduler_output import SampledToken
@@ -207,7 +208,7 @@ class LLMEngine:
         taken = [choice_id(request_id, i) for i in range(n)]
         parent_of, index = split_choice(request_id)
         parent = sched.requests.get(parent_of) if index else None
-        if any(t in sched.requests or t in sched.reserved for t in taken) or (
+        if any(t in sched.requests or t in sched.kv.reserved for t in taken) or (
             parent is not None and parent.forks_pending and index < parent.sampling.n
         ):
             raise ValueError(f"request id {request_id!r} is already in use (or a choice's)")
@@ -280,11 +281,11 @@ class LLMEngine:
 
     def reserved_blocks(self, request_id: str) -> list[int] | None:
         """Where a reservation's KV goes, in order; None without a reservation."""
-        return self.scheduler.reserved_blocks(request_id)
+        return self.scheduler.kv.reserved_blocks(request_id)
 
     def release(self, request_id: str) -> bool:
         """Give back a reservation (the transfer failed or was cancelled)."""
-        return self.scheduler.release(request_id)
+        return self.scheduler.kv.release(request_id)
 
     def kv_cache_layer(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s cache, `kv_layout.layer_shape(num_blocks)`: a block's K and V side
@@ -379,7 +380,7 @@ class LLMEngine:
                 matcher = self._watch_stops(r, r.output_token_ids[:-1])
                 if matcher.push(r.output_token_ids[-1:], search=_stops_armed(r)) is not None:
                     self.scheduler.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
-            status = self.scheduler.check_stop(r, r.output_token_ids[-1])
+            status = stop_status(r, r.output_token_ids[-1], self.max_model_len)
             if status is not None and not r.is_finished:
                 self.scheduler.finish_request(r.request_id, status)
             if r.is_finished:
@@ -401,7 +402,7 @@ class LLMEngine:
         """Cancel a request, and with `choices` every choice of it (else only the sequence
         under this id: a choice's own id, or choice 0's); its blocks are free when this
         returns."""
-        if self.scheduler.release(request_id):
+        if self.scheduler.kv.release(request_id):
             self._stops.pop(request_id, None)
             return True
         # Every choice still running, whether or not choice 0 has ended.
@@ -438,7 +439,7 @@ class LLMEngine:
             kv_blocks_reservable=self.pool.num_blocks - sched.kv.watermark_blocks,
             running=len(sched.running),
             waiting=len(sched.waiting),
-            reserved=len(sched.reserved),
+            reserved=len(sched.kv.reserved),
             preemptions=sched.num_preemptions,
             prefix_hit_blocks=self.pool.num_prefix_hits,
             prefix_query_blocks=sched.num_prefix_queries,

@@ -23,6 +23,7 @@ class KVCacheManager:
         self._hashes: dict[str, list[bytes]] = {}
         self._published: dict[str, int] = {}
         self._copies: list[tuple[int, int]] = []
+        self.reserved: set[str] = set()  # ids holding blocks for a KV transfer not yet admitted
 
     def block_table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id, [])
@@ -106,12 +107,31 @@ class KVCacheManager:
         self._published[req.request_id] = full
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Hold blocks for tokens whose KV will be written from outside (a KV transfer)."""
+        """Hold blocks for tokens whose KV will be written from outside (a KV transfer);
+        None when they do not fit now."""
         n = self.blocks_needed(num_tokens)
         if n + self.watermark_blocks > self.pool.num_free_blocks:
             return None
         self.tables[request_id] = self.pool.allocate(n)
+        self.reserved.add(request_id)
         return list(self.tables[request_id])
+
+    def reserved_blocks(self, request_id: str) -> list[int] | None:
+        """The blocks a reservation holds, in order; None if there is no such reservation."""
+        return list(self.block_table(request_id)) if request_id in self.reserved else None
+
+    def release(self, request_id: str) -> bool:
+        """Give back a reservation whose transfer failed or was cancelled."""
+        if request_id not in self.reserved:
+            return False
+        self.reserved.discard(request_id)
+        self.free_id(request_id)
+        return True
+
+    def claim(self, request_id: str) -> list[int]:
+        """A reservation's blocks become its request's, admitted (KeyError: none)."""
+        self.reserved.remove(request_id)
+        return self.tables[request_id]
 
     def free(self, req: Request) -> None:
         self.free_id(req.request_id)

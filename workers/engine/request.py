@@ -253,6 +253,30 @@ class Request:
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a request needs at least one prompt token"
 
+    def fork(self, index: int) -> Request:
+        """Choice `index` of this request, once its prompt is computed: a running sequence
+        with the prompt's KV (the scheduler shares its blocks), seeded for its index."""
+        child = Request(
+            request_id=choice_id(self.request_id, index),
+            prompt_token_ids=self.prompt_token_ids,
+            sampling=self.sampling,
+            eos_token_ids=self.eos_token_ids,
+            priority=self.priority,
+            arrival_time=self.arrival_time,
+            tenancy=self.tenancy,
+            seed=choice_seed(self.seed, index),
+            parent_id=self.request_id,
+            index=index,
+            # A prefill's choices end with their first token as it does; only the parent
+            # holds the prompt's KV for the transfer.
+            stop_after=self.stop_after,
+        )
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.paced_since = self.paced_since
+        child.status = RequestStatus.RUNNING
+        return child
+
     @property
     def forks_pending(self) -> bool:
         """Its next sampled token is its first, and its siblings draw theirs beside it."""
@@ -296,3 +320,43 @@ class Request:
     @property
     def finish_reason(self) -> FinishReason | None:
         return FinishReason.of(self.status) if self.is_finished else None
+
+    # -- as an order sees it (orders.Work) ----------------------------------------------------
+    @property
+    def arrival(self) -> float:
+        return self.arrival_time
+
+    @property
+    def prompt_left(self) -> int:
+        """Tokens to compute before its next draw: its prompt's (or a recompute's) rest."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def output_left(self) -> float:
+        """Output tokens the router predicts it still has to make (without a prediction,
+        its max_tokens)."""
+        predicted = self.tenancy.predicted_tokens
+        total = self.sampling.max_tokens if predicted is None else predicted
+        return max(0.0, total - self.num_output_tokens)
+
+    deadline = None  # the engine orders by no deadline
+
+
+def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
+    """The status that `token`, just drawn, ends `req` with; None if it goes on."""
+    sp = req.sampling
+    # Before min_tokens, EOS and stop tokens are never drawn, nor do they end a request.
+    # A prefill (stop_after) draws with them but leaves ending to the decode worker.
+    if req.stop_after is None and req.num_output_tokens >= sp.min_tokens:
+        if token in sp.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if not sp.ignore_eos and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+    # A constrained sequence draws EOS only where its grammar may end: it ends there.
+    if req.stop_after is None and sp.constraint is not None and token in req.eos_token_ids:
+        return RequestStatus.FINISHED_STOPPED
+    if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    if req.stop_after is not None and req.num_output_tokens >= req.stop_after:
+        return RequestStatus.FINISHED_LENGTH
+    return None
