@@ -16,12 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from cluster import config_io
-from router.config import RouterConfig
+from router.config import Mode, RouterConfig
 from workers.engine.config import EngineConfig, described
 from workers.messages import Pool
-
-MODES = ("disaggregated", "colocated")
-
 
 # The signals a pool may scale on, and each one's default target (per worker).
 SIGNALS = {
@@ -158,11 +155,9 @@ class RedisConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    mode: str = field(
-        default="disaggregated",
-        metadata=described(
-            "split prefill and decode into two pools, or run both in one", choices=MODES
-        ),
+    mode: Mode = field(
+        default=Mode.DISAGGREGATED,
+        metadata=described("split prefill and decode into two pools, or run both in one"),
     )
     data_dir: str = field(
         default="./tandem-data", metadata=described("where the embedded Redis keeps its AOF")
@@ -195,9 +190,10 @@ class ClusterConfig:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"config field {name}: {why}")
 
-        if self.mode not in MODES:
-            raise bad("mode", f"{self.mode!r}: choose disaggregated or colocated")
-        if self.mode == "disaggregated" and self.prefill.replicas < 1:
+        if self.mode not in tuple(Mode):
+            raise bad("mode", f"{self.mode!r}: choose {', '.join(Mode)}")
+        object.__setattr__(self, "mode", Mode(self.mode))  # a name given in code, as a Mode
+        if self.mode is Mode.DISAGGREGATED and self.prefill.replicas < 1:
             raise bad("prefill.replicas", "a disaggregated cluster needs a prefill worker")
         if self.decode.replicas < 1:
             raise bad("decode.replicas", "at least one decode worker is needed")
@@ -266,7 +262,7 @@ class ClusterConfig:
         engine = self.engine.resolve(cuda=p.gpus >= 1)
         if engine.device != "cpu" and self.engine.dtype == "auto":
             engine = replace(engine, dtype="auto")
-        if pool is Pool.PREFILL and self.mode == "disaggregated":
+        if pool is Pool.PREFILL and self.mode is Mode.DISAGGREGATED:
             # A prefill worker stops each request at its first token: it never runs a step of
             # decodes alone, and graphs captured for one would hold memory for nothing.
             engine = replace(engine, cuda_graphs=False)
@@ -279,7 +275,7 @@ class ClusterConfig:
 
     @property
     def pools(self) -> tuple[Pool, ...]:
-        return (Pool.PREFILL, Pool.DECODE) if self.mode == "disaggregated" else (Pool.DECODE,)
+        return (Pool.PREFILL, Pool.DECODE) if self.mode is Mode.DISAGGREGATED else (Pool.DECODE,)
 
     @property
     def workers_cpus(self) -> float:

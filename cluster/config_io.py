@@ -9,13 +9,15 @@ one place and be missing from the other.
   (`"--{section}"` makes `--prefill` an alias of `--prefill-replicas`).
 - Errors name the field by its path (`engine.block_size`), whichever source it came from.
 
-Field metadata understood here: `help`, `choices`, `aliases`.
+Field metadata understood here: `help`, `choices`, `aliases`. A field typed as an Enum takes
+its members' values, and those are its choices.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import tomllib
 import types
 import typing
@@ -106,9 +108,20 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, flat=frozenset(), titl
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["metavar"] = leaf.path[-1].upper()
-            if "choices" in meta:
-                kwargs["choices"] = meta["choices"]
+            if "choices" in meta or _is_enum(leaf.base):
+                kwargs["choices"] = choices(leaf)
         group.add_argument(*names, **kwargs)
+
+
+def _is_enum(kind) -> bool:
+    return isinstance(kind, type) and issubclass(kind, enum.Enum)
+
+
+def choices(leaf: Leaf) -> list | None:
+    """The values a field takes, when they are a closed set: an Enum's, or its `choices`."""
+    if _is_enum(leaf.base):
+        return [m.value for m in leaf.base]
+    return leaf.field.metadata.get("choices")
 
 
 def _default(f: dataclasses.Field):
@@ -213,10 +226,10 @@ def _convert(leaf: Leaf, value, where: str):
         if isinstance(e, ConfigError):
             raise
         raise bad(f"expected {getattr(base, '__name__', base)}") from None
-    choices = leaf.field.metadata.get("choices")
-    if choices is not None and value not in choices:
-        raise bad(f"choose from {', '.join(map(str, choices))}")
-    return value
+    allowed = choices(leaf)
+    if allowed is not None and value not in allowed:
+        raise bad(f"choose from {', '.join(map(str, allowed))}")
+    return base(value) if _is_enum(base) else value
 
 
 def _mapping(value) -> dict:

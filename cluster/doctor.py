@@ -19,6 +19,7 @@ from pathlib import Path
 
 from cluster.config import ClusterConfig
 from kv_transfer.torch_dist import NCCL_MIN_TORCH, version_before
+from router.config import Mode
 from workers.model.flash_rules import FLASH_DTYPES, FLASH_PAGE_MULTIPLE
 
 
@@ -119,7 +120,7 @@ def _needs(r: Report, cfg: ClusterConfig, torch_version, cuda, gpus, nccl, flash
             )
         if not cuda and not cfg.ray_address:
             r.missing.append("CUDA: the config runs workers on CUDA and no GPU is visible here")
-        if cfg.mode == "disaggregated":
+        if cfg.mode is Mode.DISAGGREGATED:
             if nccl is None:
                 r.missing.append("NCCL: CUDA KV transfers need a torch build with NCCL")
             if version_before(torch_version, NCCL_MIN_TORCH):

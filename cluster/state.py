@@ -35,6 +35,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from router.store import BeginResult, RecordState, RequestRecord
+from workers.engine.request import FinishReason
 from workers.messages import (
     LogAck,
     LogResult,
@@ -244,7 +245,7 @@ def _fields(rec: RequestRecord) -> dict:
         "attempt": rec.attempt,
         "prefill": rec.prefill,
         "decode": rec.decode,
-        "finish_reason": rec.finish_reason,
+        "finish_reason": rec.finish_reason or "",
         "status": rec.status.value,
         "error": rec.error,
         "choices": rec.choices,
@@ -271,7 +272,7 @@ def _record(request_id: str, h: dict, failures: list[str]) -> RequestRecord:
         attempt=int(h.get("attempt", 0)),
         prefill=h.get("prefill", ""),
         decode=h.get("decode", ""),
-        finish_reason=h.get("finish_reason", ""),
+        finish_reason=FinishReason(h["finish_reason"]) if h.get("finish_reason") else None,
         status=Status(h.get("status") or "OK"),
         error=h.get("error", ""),
         failures=tuple(failures),
@@ -291,7 +292,7 @@ def _append_args(w: LogWrite, ttl_s: int, end: RequestRecord | None = None):
         if w.finish_reason is not None:  # a decode worker's natural end
             state, reason = RecordState.FINISHED.value, w.finish_reason.value
     else:
-        state, reason, error = end.state.value, end.finish_reason, end.error
+        state, reason, error = end.state.value, end.finish_reason or "", end.error
         status, failures = end.status.value, end.failures
     args = [w.attempt, w.offset, ttl_s, state, reason, error, rid, str(time.time()), status]
     return keys, [*args, len(failures), *failures, *w.token_ids]

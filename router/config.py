@@ -3,6 +3,7 @@ each step of a request, and how it replays failed attempts."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from router.tenants import TenantsConfig
@@ -10,6 +11,13 @@ from workers.engine.config import described
 from workers.engine.orders import Side, order_names
 
 ADMISSION_POLICIES = order_names(Side.ROUTER)  # the orders a router serves (orders.py)
+
+
+class Mode(enum.StrEnum):
+    """How a cluster runs a request's two phases."""
+
+    DISAGGREGATED = "disaggregated"  # prefill and decode in pools of their own
+    COLOCATED = "colocated"  # both in one worker, chunked prompts mixed into decode batches
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from router.admission import AdmissionControl
-from router.config import RouterConfig
+from router.config import Mode, RouterConfig
 from router.directory import WorkerDirectory
 from router.driver import RequestDriver, SharedStart, WorkerLost
 from router.driving import DriverEnv, Replays
@@ -35,7 +35,7 @@ from router.resume import from_stream, tail_log
 from router.store import RecordState, RequestRecord, RequestStore
 from router.stream import Chunk, RequestStream, follow_all
 from router.validation import Admission
-from workers.engine.request import choice_id, choice_index
+from workers.engine.request import FinishReason, choice_id, choice_index
 from workers.messages import Pool, RequestSpec, Status, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class Router:
         block_size: int,
         store: RequestStore | None = None,
         config: RouterConfig | None = None,
-        mode: str = "disaggregated",
+        mode: Mode | str = Mode.DISAGGREGATED,
         router_id: str | None = None,
     ) -> None:
         self.id = router_id or uuid.uuid4().hex[:12]
@@ -77,7 +77,7 @@ class Router:
         self.fleet = Fleet(directory, block_size, config, self.id, self._deliver, self._lost)
         self._env = DriverEnv(
             self.id,
-            mode,
+            Mode(mode),
             config,
             tokenizer,
             self.fleet,
@@ -196,8 +196,9 @@ class Router:
                 driver.start()
             self.metrics.queue(self._queue_depth, len(self._drivers))
             async for chunk in follow_all([d.stream for d in drivers]):
-                status = chunk.finish_reason if chunk.status is Status.OK else chunk.status.value
-                timer.chunk(chunk.index, len(chunk.token_ids), chunk.finished, status or "")
+                ok = chunk.status is Status.OK
+                status = (chunk.finish_reason or "") if ok else chunk.status.value
+                timer.chunk(chunk.index, len(chunk.token_ids), chunk.finished, status)
                 self.admission.served(ticket, made, chunk)
                 yield chunk
         finally:
@@ -238,7 +239,7 @@ class Router:
                         m,
                         state=RecordState.FAILED if why else RecordState.CANCELLED,
                         status=status if why else Status.OK,
-                        finish_reason="error" if why else "cancelled",
+                        finish_reason=FinishReason.ERROR if why else FinishReason.CANCELLED,
                         error=why,
                     )
                     self.records.end(ended, [])
@@ -247,7 +248,7 @@ class Router:
 
     def _check_pools(self) -> None:
         mode = self._env.mode
-        pools = [Pool.DECODE] if mode == "colocated" else [Pool.PREFILL, Pool.DECODE]
+        pools = [Pool.DECODE] if mode is Mode.COLOCATED else [Pool.PREFILL, Pool.DECODE]
         for pool in pools:
             if not self.fleet.expects(pool):
                 raise RouterError(
@@ -291,7 +292,7 @@ class Router:
         if rec is None or rec.state.terminal:
             return False
         await self.fleet.cancel_on([n for n in (rec.prefill, rec.decode) if n], rid, notify=True)
-        ended = replace(rec, state=RecordState.CANCELLED, finish_reason="cancelled")
+        ended = replace(rec, state=RecordState.CANCELLED, finish_reason=FinishReason.CANCELLED)
         self.records.end(ended, await self.records.tokens(rid))
         return True
 

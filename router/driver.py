@@ -32,12 +32,13 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
+from router.config import Mode
 from router.directory import WorkerRef
 from router.driving import DriverEnv
 from router.errors import AttemptFailed, RouterError
 from router.store import RecordState, RequestRecord
 from router.stream import RequestStream
-from workers.engine.request import split_choice
+from workers.engine.request import FinishReason, split_choice
 from workers.messages import (
     Phase,
     Pool,
@@ -151,7 +152,7 @@ class RequestDriver:
                 self.attempt += 1
                 try:
                     done = await self._attempt(self.attempt)
-                    self._end(Status.OK, done.finish_reason.value)
+                    self._end(Status.OK, done.finish_reason)
                     return
                 except AttemptFailed as f:
                     cause = f"attempt {self.attempt}: {f.reason}"
@@ -167,25 +168,26 @@ class RequestDriver:
                 try:  # a second cancel may land while this waits: the stream still ends
                     await self.clean_up()
                 finally:
-                    self._end(Status.OK, "cancelled")
+                    self._end(Status.OK, FinishReason.CANCELLED)
             raise
         except Exception as e:  # a bug here must still end the stream and the record
             log.exception("request %s: driver failed", self.request_id)
             try:
                 await self.clean_up()
             finally:
-                self._end(Status.INTERNAL, "error", f"{type(e).__name__}: {e}")
+                self._end(Status.INTERNAL, FinishReason.ERROR, f"{type(e).__name__}: {e}")
         finally:
             self.env.done(self)
 
     def _give_up(self, f: AttemptFailed, retries: int) -> None:
         if f.status is Status.CANCELLED:
-            self._end(Status.OK, "cancelled")
+            self._end(Status.OK, FinishReason.CANCELLED)
         elif not f.status.retryable:
-            self._end(f.status, "error", f.reason)
+            self._end(f.status, FinishReason.ERROR, f.reason)
         else:
             how = f"{retries} attempts" if self.env.config.replay else "a failure (replay is off)"
-            self._end(f.status, "error", f"gave up after {how}: " + "; ".join(self.failures))
+            why = f"gave up after {how}: " + "; ".join(self.failures)
+            self._end(f.status, FinishReason.ERROR, why)
 
     def _replay_starts(self, cause: str) -> None:
         self.replaying_since = self.env.replays.start()
@@ -236,7 +238,7 @@ class RequestDriver:
         disaggregated mode when it is short enough that a prefill worker's queue and the KV
         transfer would cost it more than a step on its decode worker does (as Dynamo's
         conditional disaggregation)."""
-        if self.env.mode == "colocated":
+        if self.env.mode is Mode.COLOCATED:
             return True
         return spec.num_tokens <= self.env.config.local_prefill_max_tokens
 
@@ -374,10 +376,10 @@ class RequestDriver:
         names = [n for n in (self.prefill, self.decode) if n]
         await self.env.fleet.cancel_on(names, self.spec.held_ids)
 
-    def _end(self, status: Status, reason: str, error: str = "") -> None:
+    def _end(self, status: Status, reason: FinishReason, error: str = "") -> None:
         """The request's end: its stream's last chunk and its record's terminal state. A
         cancel is a normal end (finish_reason "cancelled"); any other non-OK status fails."""
-        if reason == "cancelled":
+        if reason is FinishReason.CANCELLED:
             state, status = RecordState.CANCELLED, Status.OK
         elif status is Status.OK:
             state = RecordState.FINISHED
@@ -400,7 +402,7 @@ class RequestDriver:
                 await asyncio.sleep(1.0)
                 continue
             if rec is None or rec.state.terminal:
-                self.stream.end(Status.OK, rec.finish_reason if rec else "error")
+                self.stream.end(Status.OK, rec.finish_reason if rec else FinishReason.ERROR)
                 return True
             if rec.attempt and await self._still_running(rec):
                 gone_since = None

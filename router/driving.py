@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from router.config import RouterConfig
+from router.config import Mode, RouterConfig
 from router.directory import WorkerRef
 from router.store import RequestRecord
 from workers.messages import Phase, Pool, PrefillJob, PrefillResult, RequestSpec, Reservation
@@ -103,7 +103,7 @@ class Replays:
 @dataclass
 class DriverEnv:
     router_id: str
-    mode: str  # disaggregated or colocated
+    mode: Mode
     config: RouterConfig
     tokenizer: Any
     fleet: Placement

@@ -91,7 +91,7 @@ async def tail_log(
                 text.push(tokens, done),
                 (),
                 done,
-                (rec.finish_reason or None) if done else None,
+                rec.finish_reason if done else None,
                 rec.status if done else Status.OK,
                 rec.error if done else "",
                 index=index,

@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
-from workers.engine.request import SamplingParams
+from workers.engine.request import FinishReason, SamplingParams
 from workers.messages import Status, TokenLog
 
 
@@ -41,7 +41,7 @@ class RequestRecord:
     attempt: int = 0  # attempts begun (0: none yet)
     prefill: str = ""
     decode: str = ""
-    finish_reason: str = ""
+    finish_reason: FinishReason | None = None
     status: Status = Status.OK  # how a FAILED request failed
     error: str = ""
     failures: tuple[str, ...] = ()  # why each failed attempt failed, in order

@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from workers.engine.request import FinishReason
 from workers.messages import Status, TokenEvent
 from workers.model.tokenizer import TextStream
 
@@ -24,7 +25,7 @@ class Chunk:
     text: str
     logprobs: tuple[float, ...] = ()
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     status: Status = Status.OK  # not OK: the request failed (the gRPC call ends with it)
     error: str = ""
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()  # per token, best first
@@ -78,7 +79,6 @@ class RequestStream:
             e = self._held.pop(self.next_offset)
             delta = self.text.push(list(e.token_ids), e.text, e.finished)
             self.tokens += e.token_ids
-            reason = e.finish_reason.value if e.finish_reason else None
             self._emit(
                 Chunk(
                     e.offset,
@@ -86,7 +86,7 @@ class RequestStream:
                     delta,
                     e.logprobs or (),
                     e.finished,
-                    reason,
+                    e.finish_reason,
                     top_logprobs=e.top_logprobs or (),
                     index=self.index,
                 )
@@ -97,7 +97,7 @@ class RequestStream:
             if not e.token_ids:
                 break
 
-    def end(self, status: Status, finish_reason: str | None, error: str = "") -> None:
+    def end(self, status: Status, finish_reason: FinishReason | None, error: str = "") -> None:
         """End the stream now (cancelled, failed), after whatever was already sent."""
         if self.finished:
             return

@@ -22,6 +22,7 @@ the decode worker, which frees the reservation and reports the attempt as failed
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import threading
@@ -82,13 +83,32 @@ class LayerProgress:
             return self._events[layer] if layer < len(self._events) else None
 
 
+class Unsent(enum.StrEnum):
+    """Why a push's trailer carries no first tokens: the transfer is aborted."""
+
+    NO_FIRST_TOKEN = "the prefill step ended without its first token"
+    CANCELLED = "cancelled"
+    SUPERSEDED = "superseded by a newer attempt"
+    FAILED = "the prefill failed"
+    TIMED_OUT = "no first token within the transfer timeout of the last layer"
+
+
+@dataclass(frozen=True)
+class NoFirstToken:
+    why: Unsent
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.why}: {self.detail}" if self.detail else str(self.why)
+
+
 @dataclass
 class Push:
     spec: RequestSpec
     blocks: list[int]  # held in the prefill worker's cache until `release` is called
     desc: TransferDescriptor
     progress: LayerProgress
-    # Each choice's first token once sampled, or a string: why there are none.
+    # Each choice's first token once sampled, or why there are none.
     first: Future = field(default_factory=Future)
     computed_at: float = 0.0  # perf_counter when `first` was set: the prefill's end
     cancelled: bool = False
@@ -102,9 +122,9 @@ class Push:
     @property
     def first_failed(self) -> bool:
         """The prefill gave no first tokens (it failed, or was cancelled or superseded)."""
-        return self.first.done() and isinstance(self.first.result(), str)
+        return self.first.done() and isinstance(self.first.result(), NoFirstToken)
 
-    def resolve(self, first: tuple[FirstToken, ...] | str) -> None:
+    def resolve(self, first: tuple[FirstToken, ...] | NoFirstToken) -> None:
         """Called once the prefill step is over: its first tokens, or why it has none.
         Only the first call counts."""
         if self.first.done():
@@ -195,7 +215,7 @@ class KVSender:
 
         rid, handle = push.request_id, self.target.handle
         if push.cancelled:
-            return PushResult(rid, False, error="cancelled")
+            return PushResult(rid, False, error=str(Unsent.CANCELLED))
         try:
             self._ensure_group()
             ref = handle.receive_kv.remote(self.source, self.generation, push.spec)
@@ -262,9 +282,9 @@ class KVSender:
         try:
             first = push.first.result(self.timeout_s)
         except FutureTimeout:
-            first = f"no first token within {self.timeout_s:.0f} s of the last layer"
-        if isinstance(first, str):
-            return False, first.encode()
+            first = NoFirstToken(Unsent.TIMED_OUT, f"{self.timeout_s:.0f} s")
+        if isinstance(first, NoFirstToken):
+            return False, str(first).encode()
         return True, encode_first(first)
 
     def _ensure_group(self) -> None:

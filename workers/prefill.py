@@ -29,7 +29,7 @@ from kv_transfer.protocol import TransferDescriptor
 from workers.engine.engine import RequestOutput
 from workers.engine.grammar import GrammarError
 from workers.engine.request import FinishReason
-from workers.kv_sender import KVSender, LayerProgress, Push
+from workers.kv_sender import KVSender, LayerProgress, NoFirstToken, Push, Unsent
 from workers.messages import (
     DecodeEndpoint,
     FirstToken,
@@ -207,7 +207,7 @@ class PrefillWorker(WorkerBase):
                     log.exception("request %s: handling its prefill output failed", outs[0])
         finally:
             for push in self._streaming.values():  # never left without a verdict
-                push.resolve("the prefill step ended without its first token")
+                push.resolve(NoFirstToken(Unsent.NO_FIRST_TOKEN))
             self._streaming.clear()
 
     def _finished(self, outs: list[RequestOutput]) -> None:
@@ -227,19 +227,19 @@ class PrefillWorker(WorkerBase):
             entry = self._jobs.get(o.request_id)
         if entry is None or entry.result.done():  # cancelled or superseded meanwhile
             if push is not None:
-                push.resolve("cancelled")
+                push.resolve(NoFirstToken(Unsent.CANCELLED))
             return
         if push is not None and push.spec.attempt != entry.attempt:
             # An older attempt's prefill: its job was replaced while it ran, and the new one
             # is queued on the loop and answers for itself.
-            push.resolve("superseded by a newer attempt")
+            push.resolve(NoFirstToken(Unsent.SUPERSEDED))
             return
         spec = entry.job.spec
         drawn = [c for c in outs if c.new_token_ids]
         if o.kv_blocks is None or len(drawn) != spec.choices:  # failed, maybe never stepped
             error = next((c.error for c in outs if c.error), "")
             if push is not None:
-                push.resolve(f"the prefill failed: {error}")
+                push.resolve(NoFirstToken(Unsent.FAILED, error))
             kind = next((c.error_kind for c in outs if c.error_kind), None)
             status = (
                 Status.CANCELLED

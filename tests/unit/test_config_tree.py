@@ -14,9 +14,10 @@ from workers.engine.config import EngineConfig
 
 def other_value(leaf: config_io.Leaf):
     """A valid value for the field that differs from its default."""
-    meta, default = leaf.field.metadata, config_io._default(leaf.field)
-    if "choices" in meta:
-        return next(c for c in meta["choices"] if c != default)
+    default = config_io._default(leaf.field)
+    choices = config_io.choices(leaf)
+    if choices:
+        return next(c for c in choices if c != default)
     special = {
         "engine.device": "cuda:0",
         "prefill.gpus": 1.0,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from router.config import RouterConfig
+from router.config import Mode, RouterConfig
 from router.directory import WorkerRef
 from router.driver import RequestDriver, SharedStart
 from router.driving import DriverEnv
@@ -202,7 +202,7 @@ class FakeLog:
         return []
 
 
-def env(fleet, mode="disaggregated", **config) -> DriverEnv:
+def env(fleet, mode=Mode.DISAGGREGATED, **config) -> DriverEnv:
     cfg = RouterConfig(stall_timeout_s=5, local_prefill_max_tokens=0, **config)
     done: list = []
     e = DriverEnv("router-1", mode, cfg, Tok(), fleet, FakeLog(), done=done.append)
@@ -224,7 +224,7 @@ def driver(e: DriverEnv, n: int = 1, seed: int = 5) -> list[RequestDriver]:
     return drivers
 
 
-def run(script: Script | None = None, n: int = 1, mode="disaggregated", **config):
+def run(script: Script | None = None, n: int = 1, mode=Mode.DISAGGREGATED, **config):
     """Drive one request to its end; (env, drivers)."""
 
     async def go():
@@ -405,7 +405,7 @@ def test_a_second_cancel_during_clean_up_still_ends_the_stream_and_record():
 
 
 def test_colocated_runs_each_attempt_whole_on_a_decode_worker():
-    e, [d] = run(Script(decode_dies_after={1: 4}), mode="colocated")
+    e, [d] = run(Script(decode_dies_after={1: 4}), mode=Mode.COLOCATED)
     assert d.stream.tokens == expected()[0]
     calls = [c[:3] for c in e.fleet.calls if c[0] in ("submit", "prefill", "reserve")]
     assert calls == [("submit", "decode-0", 1), ("submit", "decode-1", 2)]
