@@ -32,12 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, ROOT, export_default_model, log, print_table  # noqa: E402
 from benchmarks.serving import load_trace, trace_request  # noqa: E402
+from client import fetch_status  # noqa: E402
 from cluster.cli_up import spawn  # noqa: E402
-from router.client import fetch_status  # noqa: E402
 
 
 async def run_trace(addresses: list[str], trace: list[dict], t0: float, paced: bool) -> list[dict]:
-    from router.client import TandemClient
+    from client import TandemClient
 
     client = TandemClient(addresses)
 

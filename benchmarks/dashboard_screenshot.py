@@ -107,8 +107,8 @@ async def load(client, seconds: float, rate: float) -> int:
     were served."""
     from dataclasses import replace
 
+    from client import to_proto
     from cluster.requests_file import read_requests
-    from router.client import to_proto
 
     rows = read_requests(WORKLOAD)
     tasks, t0, i = [], time.monotonic(), 0
@@ -123,10 +123,10 @@ async def load(client, seconds: float, rate: float) -> int:
 
 
 async def main_async(args) -> None:
+    from client import TandemClient
     from cluster import config_io
     from cluster.cluster import Cluster
     from cluster.config import ClusterConfig
-    from router.client import TandemClient
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

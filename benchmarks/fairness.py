@@ -150,7 +150,7 @@ def token_past(t: float, outcomes: list) -> bool:
 
 
 async def _send_jobs_async(address: str, jobs: list[Job], until, timeout_s: float) -> list:
-    from router.client import TandemClient
+    from client import TandemClient
 
     client = TandemClient(address)
     t0 = time.perf_counter()
@@ -474,7 +474,7 @@ def predictor_on_workloads(tokenizer) -> dict:
     request predicted and then observed in turn, its kind as its tenant: once with
     max_tokens as given, once with it hidden (every request asking for 1,024), which leaves
     the tenant and the prompt's length to predict from. No cluster: nothing is timed."""
-    from router.predictor import LengthPredictor
+    from router.admission.predictor import LengthPredictor
 
     out = {}
     for path in sorted((ROOT / "benchmarks" / "workloads").glob("*.jsonl")):

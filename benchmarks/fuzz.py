@@ -275,7 +275,7 @@ def _note(report: Report, kind: str, example: str) -> None:
 
 
 async def run_grpc(address: str, cases, concurrency: int, report: Report, tls=None) -> None:
-    from router.tls import channel as tls_channel
+    from router.edge.tls import channel as tls_channel
 
     sem = asyncio.Semaphore(concurrency)
     async with tls_channel(address, tls) as ch:

@@ -217,11 +217,11 @@ def cluster_table(n: int, prompt_tokens: int, max_tokens: int, runs: int) -> lis
     import asyncio
     import tempfile
 
+    from client import TandemClient, status_to_dict
     from cluster import config_io
     from cluster.cluster import Cluster
     from cluster.config import ClusterConfig
     from router.api import tandem_pb2 as pb
-    from router.client import TandemClient, status_to_dict
     from workers.engine.request import choice_id, choice_seed
     from workers.messages import Pool
 

@@ -90,7 +90,7 @@ def trace_request(r: dict, request_id: str = ""):
 
 
 async def run_grpc(address: str, trace: list[dict], t0: float) -> list[dict]:
-    from router.client import TandemClient
+    from client import TandemClient
 
     client = TandemClient(address)
 

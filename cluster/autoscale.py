@@ -36,8 +36,8 @@ from workers.messages import Pool
 if TYPE_CHECKING:
     from cluster.config import AutoscaleConfig
     from cluster.pools import PoolManager
+    from router.fleet.routing import WorkerLoad
     from router.metrics import RouterMetrics
-    from router.routing import WorkerLoad
 
 log = logging.getLogger(__name__)
 CONFIRM = 3

@@ -277,7 +277,7 @@ def add_keys_parser(sub) -> None:
 
 
 def _key_line(key: str, args: argparse.Namespace) -> str:
-    from router.keys import SCOPES, TENANT, key_hash
+    from router.edge.keys import SCOPES, TENANT, key_hash
 
     scopes = [s.strip() for s in args.scopes.split(",") if s.strip()]
     bad = [s for s in scopes if s not in SCOPES]

@@ -26,7 +26,7 @@ def add_client_flags(p: argparse.ArgumentParser) -> None:
 
 def client_tls(args: argparse.Namespace):
     """The TLS a client command asked for (None: plaintext)."""
-    from router.tls import ClientTLS, TLSFileError
+    from router.edge.tls import ClientTLS, TLSFileError
 
     try:
         return ClientTLS.of(args.tls_ca, args.tls_cert, args.tls_key)
@@ -48,7 +48,7 @@ def client_key(args: argparse.Namespace) -> str | None:
 
 
 async def generate_remote(args: argparse.Namespace, requests) -> int:
-    from router.client import TandemClient, to_proto
+    from client import TandemClient, to_proto
 
     client = TandemClient(args.address, client_key(args), client_tls(args))
     sem = asyncio.Semaphore(max(1, args.concurrency))
@@ -107,7 +107,7 @@ async def _admin(args, what: str, calls) -> int:
     stderr, then print their outcome and the cluster's status, as a table or as JSON."""
     import grpc
 
-    from router.client import TandemClient, status_to_dict
+    from client import TandemClient, status_to_dict
 
     client = TandemClient(args.address, client_key(args), client_tls(args))
     done = {}
@@ -171,7 +171,7 @@ def tenant_request(sets: list[tuple[str, str]], resets: list[str] = ()):
     """A TenantsRequest from --set TENANT FIELD=VALUE,... pairs ('none' unsets max_wait_s)
     and --reset TENANT names."""
     from router.api import tandem_pb2 as pb
-    from router.tenants import POLICY_TYPES as TENANT_FIELDS
+    from router.tenant_policy import POLICY_TYPES as TENANT_FIELDS
 
     request = pb.TenantsRequest(reset=resets)
     for name, fields in sets:
@@ -196,7 +196,7 @@ def tenant_request(sets: list[tuple[str, str]], resets: list[str] = ()):
 async def _tenants(args) -> int:
     import grpc
 
-    from router.client import TandemClient, tenants_to_dict
+    from client import TandemClient, tenants_to_dict
 
     try:
         request = tenant_request(args.set, args.reset)
@@ -238,7 +238,7 @@ def print_tenants(tenants: list[dict]) -> None:
 async def _status(args) -> int:
     import grpc
 
-    from router.client import fetch_status
+    from client import fetch_status
 
     try:
         s = await fetch_status(args.address, client_key(args), client_tls(args))

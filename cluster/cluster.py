@@ -26,11 +26,11 @@ from cluster.config import REDIS_URL_ENV, ClusterConfig
 from cluster.pools import NAMESPACE, PoolManager, PoolSpec
 from cluster.redis_server import EmbeddedRedis
 from cluster.state import RedisStore, redact
-from router.core import Router
-from router.http import OpenAIFront, start_http
-from router.keys import AUTH_TOKEN_ENV, router_keys
-from router.server import start_server
-from router.tls import ServerTLS
+from router.edge.http import OpenAIFront, start_http
+from router.edge.keys import AUTH_TOKEN_ENV, router_keys
+from router.edge.server import start_server
+from router.edge.tls import ServerTLS
+from router.requests.core import Router
 from workers.messages import Pool
 from workers.model.loader import DEFAULT_MODEL, read_model_config, resolve_model
 from workers.model.tokenizer import Tokenizer

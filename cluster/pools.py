@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import ray
 
-from router.directory import Listener, PoolEvent, PoolRefusal, WorkerRef
+from router.fleet.directory import Listener, PoolEvent, PoolRefusal, WorkerRef
 from workers.engine.config import EngineConfig
 from workers.messages import Pool, PoolStatus, Status, TokenLog, WorkerInfo
 from workers.metrics import PoolEvents

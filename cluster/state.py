@@ -34,7 +34,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from router.store import BeginResult, RecordState, RequestRecord
+from router.records.store import BeginResult, RecordState, RequestRecord
 from workers.engine.request import FinishReason
 from workers.messages import (
     LogAck,

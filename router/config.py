@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from router.tenants import TenantsConfig
+from router.tenant_policy import TenantsConfig
 from workers.engine.config import described
 from workers.engine.orders import Side, order_names
 

@@ -3,7 +3,7 @@ the `controller` lease in the store. Every router, every `interval_s`:
 
 1. writes its heartbeat (its id and gRPC address, with a TTL);
 2. takes or renews the lease, or learns who holds it;
-3. takes up the tenants' changes another router wrote to the store (router/admission.py);
+3. takes up the tenants' changes another router wrote to the store (router/admission/control.py);
 4. as the controller: has the pool manager replace dead workers (pools heal), and adopts the
    requests whose router's heartbeat lapsed (their drivers start here, watching first);
    otherwise: picks up the workers the controller started.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from router.core import Router
+from router.requests.core import Router
 
 log = logging.getLogger(__name__)
 LEASE = "controller"

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from workers.messages import Status
 
+# Trailing metadata on every status a router decides (a failed request, a refusal), as
+# opposed to the connection or the router breaking: a client resuming elsewhere stops there.
+FINAL_KEY = "tandem-final"
+
 
 class RouterError(Exception):
     """Ends a call with `status` (sent as the gRPC status of that name) and a message that

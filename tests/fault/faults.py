@@ -9,7 +9,7 @@ import signal
 import time
 from dataclasses import replace
 
-from router.client import StreamResult, TandemClient, to_proto
+from client import StreamResult, TandemClient, to_proto
 from tests.integration.harness import CHATS, greedy
 from workers.completion import GenerationRequest
 
@@ -62,7 +62,7 @@ def kill(pid: int) -> None:
 
 async def live_workers(client: TandemClient, pool: str) -> list[dict]:
     """The pool's live workers, as `tandem status --json` shows them (for use in strikes)."""
-    from router.client import status_to_dict
+    from client import status_to_dict
 
     return [w for w in status_to_dict(await client.status())[pool] if w["alive"]]
 

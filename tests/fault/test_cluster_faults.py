@@ -174,7 +174,7 @@ def test_past_the_retry_limit_a_stream_fails_with_every_cause(cluster):
     says FAILED with both."""
     from dataclasses import replace
 
-    from router.store import RecordState
+    from router.records.store import RecordState
     from tests.fault.faults import wait_for
 
     router = cluster.cluster.router
@@ -218,7 +218,7 @@ def test_status_answers_within_a_second_naming_a_stopped_worker_unresponsive(clu
     last known figures, rather than waiting for it."""
     import json
 
-    from router.client import status_to_dict
+    from client import status_to_dict
 
     async def status():  # with a 1 s deadline: past it, gRPC fails the call
         return status_to_dict(await cluster.client.admin.Status(pb.StatusRequest(), timeout=1.0))

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from router.client import to_proto
-from router.store import RecordState
+from client import to_proto
+from router.records.store import RecordState
 from tests.fault.faults import (
     assert_clean,
     assert_whole,

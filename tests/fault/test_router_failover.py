@@ -16,9 +16,9 @@ import sys
 import pytest
 import ray
 
+from client import TandemClient, fetch_status, to_proto
 from cluster.cli_up import spawn
 from cluster.redis_server import EmbeddedRedis
-from router.client import TandemClient, fetch_status, to_proto
 from tests.fault.faults import assert_clean, assert_whole, kill, run_with_fault, wait_for, workload
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.timeout(900)]

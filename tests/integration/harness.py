@@ -9,9 +9,9 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
+from client import TandemClient, to_proto
 from cluster.cluster import Cluster
 from cluster.config import ClusterConfig
-from router.client import TandemClient, to_proto
 from workers.completion import GenerationRequest
 from workers.engine.request import SamplingParams
 
@@ -70,7 +70,7 @@ class ClusterHarness:
         return self.run(all_of(), timeout=timeout_s + 30)
 
     def status(self) -> dict:
-        from router.client import status_to_dict
+        from client import status_to_dict
 
         return status_to_dict(self.run(self.client.status()))
 
@@ -133,7 +133,7 @@ def fuzz_cluster(data_dir):
     admin, the OpenAI front on, and a few of tenant a's requests already run (their ids are
     what tenant b's calls probe). Yields (harness, (a's key, b's key, the admin's), a's ids)."""
     from router.api import tandem_pb2 as pb
-    from router.keys import key_hash
+    from router.edge.keys import key_hash
 
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)

@@ -9,9 +9,9 @@ import grpc
 import httpx
 import pytest
 
+from client import TandemClient
 from router.api import tandem_pb2 as pb
-from router.client import TandemClient
-from router.keys import key_hash
+from router.edge.keys import key_hash
 from tests.integration.harness import one_by_one
 
 pytestmark = pytest.mark.integration
@@ -92,9 +92,7 @@ def test_each_call_needs_a_key_with_its_scope(cluster):
     assert code_of(lambda: status(OPS)) is None
 
     def scale(c):
-        return c.admin.Scale(
-            pb.ScaleRequest(pool="decode", replicas=1), timeout=60, metadata=c.metadata
-        )
+        return c.admin.Scale(pb.ScaleRequest(pool="decode", replicas=1), timeout=60)
 
     assert code_of(lambda: call(cluster, scale)(ACME)) is grpc.StatusCode.PERMISSION_DENIED
     assert code_of(lambda: call(cluster, scale)(ADMIN)) is None  # already 1: nothing to do
@@ -152,9 +150,7 @@ def test_a_tenants_request_is_invisible_to_another_tenant(cluster):
             resume = []
             for rid in ("job-1", "job-404"):
                 try:
-                    async for _ in globex.gen.Resume(
-                        pb.ResumeRequest(request_id=rid), timeout=30, metadata=globex.metadata
-                    ):
+                    async for _ in globex.gen.Resume(pb.ResumeRequest(request_id=rid), timeout=30):
                         pass
                 except grpc.aio.AioRpcError as e:
                     resume.append((e.code(), e.details().replace(rid, "ID")))
@@ -246,7 +242,6 @@ def test_tenants_are_the_keys_and_a_spent_quota_says_when_to_retry(cluster):
         lambda c: c.admin.Tenants(
             pb.TenantsRequest(set=[pb.TenantPolicy(name="acme", tokens_per_minute=60)]),
             timeout=30,
-            metadata=c.metadata,
         ),
     )
     assert code_of(lambda: tenants(ACME)) is grpc.StatusCode.PERMISSION_DENIED  # admin only
@@ -260,7 +255,7 @@ def test_tenants_are_the_keys_and_a_spent_quota_says_when_to_retry(cluster):
 
     async def refused(c):
         try:
-            await c.gen.Generate(msg, timeout=30, metadata=c.metadata).read()
+            await c.gen.Generate(msg, timeout=30).read()
         except grpc.aio.AioRpcError as e:
             return e.code(), dict(e.trailing_metadata() or ()), e.details()
         return None
@@ -287,5 +282,5 @@ def test_tenants_are_the_keys_and_a_spent_quota_says_when_to_retry(cluster):
         t.policy.name for t in call(cluster, lambda c: c.status())(GLOBEX).tenants
     }
     lift = pb.TenantsRequest(set=[pb.TenantPolicy(name="acme", tokens_per_minute=0)])
-    call(cluster, lambda c: c.admin.Tenants(lift, timeout=30, metadata=c.metadata))(ADMIN)
+    call(cluster, lambda c: c.admin.Tenants(lift, timeout=30))(ADMIN)
     assert call(cluster, lambda c: c.generate(msg, timeout_s=120))(ACME).status == "OK"

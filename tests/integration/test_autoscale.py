@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from router.client import to_proto
+from client import to_proto
 from tests.integration.harness import ClusterHarness, cluster_config, greedy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

@@ -79,7 +79,7 @@ def test_sampling_parameters_through_the_cluster_equal_the_offline_engine(cluste
 
 def test_token_log_and_state_in_redis(cluster):
     from cluster.state import key
-    from router.store import RecordState
+    from router.records.store import RecordState
 
     [r] = cluster.generate_many([greedy("Name a colour.", 8)])
     store = cluster.store
@@ -282,8 +282,8 @@ def lone_choices():
 
 
 def test_n_choices_share_one_prefill_and_push_and_equal_lone_requests(cluster, lone_choices):
-    from router.client import to_proto
-    from router.store import RecordState
+    from client import to_proto
+    from router.records.store import RecordState
     from workers.engine.request import SamplingParams, choice_id
     from workers.messages import Pool
     from workers.offline import GenerationRequest
@@ -343,7 +343,7 @@ def test_resume_takes_one_choice_from_its_own_offset(cluster, lone_choices):
 
 
 def test_cancel_ends_every_choice_and_frees_every_block(cluster):
-    from router.store import RecordState
+    from router.records.store import RecordState
     from workers.engine.request import choice_id
 
     async def go():

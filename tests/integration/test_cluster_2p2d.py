@@ -2,7 +2,7 @@
 
 import pytest
 
-from router.client import to_proto
+from client import to_proto
 from tests.integration.harness import (
     CHATS,
     ClusterHarness,

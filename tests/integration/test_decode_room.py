@@ -5,7 +5,7 @@ tokens) each, reserve_timeout_s=5: real Ray actors, Redis and gRPC, SmolLM2 in f
 
 import pytest
 
-from router.client import to_proto
+from client import to_proto
 from tests.integration.harness import greedy, offline_reference, one_by_one
 from workers.completion import GenerationRequest
 from workers.engine.request import SamplingParams

@@ -56,7 +56,7 @@ def test_short_requests_prefill_on_their_decode_worker_and_long_ones_do_not(clus
 
 
 def test_a_short_request_with_n_choices_forks_on_its_decode_worker(cluster):
-    from router.client import to_proto
+    from client import to_proto
 
     [want] = offline_reference([greedy(CHATS[6], 12)])
     req = greedy(CHATS[6], 12, n=2)
@@ -90,7 +90,7 @@ def test_the_engines_max_model_len_bounds_requests_at_the_router(cluster):
     """Past the engines' max_model_len (not the model's context) a request is refused as
     invalid at admission, naming the limit; it used to reach a worker that refused it, and
     came back RESOURCE_EXHAUSTED (retry) or UNAVAILABLE after every attempt."""
-    from router.client import to_proto
+    from client import to_proto
 
     tok = cluster.cluster.router.tokenizer
     words = " ".join(["word"] * (MAX_LEN + 50))

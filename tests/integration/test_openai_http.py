@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from router.api import tandem_pb2 as pb
-from router.http import OpenAIFront, start_http
-from router.keys import KeyRing
+from router.edge.http import OpenAIFront, start_http
+from router.edge.keys import KeyRing
 from tests.integration.harness import CHATS, offline_reference, one_by_one
 
 pytestmark = pytest.mark.integration

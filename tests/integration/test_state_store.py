@@ -15,7 +15,7 @@ import redis
 
 from cluster.redis_server import EmbeddedRedis, free_port
 from cluster.state import RedisStore, RedisTokenLog, key, redact
-from router.store import BeginResult, RecordState, RequestRecord
+from router.records.store import BeginResult, RecordState, RequestRecord
 from workers.engine.request import FinishReason, SamplingParams
 from workers.messages import LogResult, LogWrite, Status
 
@@ -368,10 +368,10 @@ def test_tenant_changes_made_at_one_router_hold_at_every_router_and_after_a_rest
     makes a bad policy reaches nobody; an entry the store holds that this version cannot
     read is left out alone, the others kept."""
     from cluster.state import TENANTS
-    from router.admission import AdmissionControl
+    from router.admission.control import AdmissionControl
     from router.config import RouterConfig
     from router.metrics import RouterMetrics
-    from router.tenants import TenantsConfig
+    from router.tenant_policy import TenantsConfig
 
     base = RouterConfig(tenants=TenantsConfig(weight={"gold": 2.0}, tier={"gold": 1}))
 
@@ -413,10 +413,10 @@ def test_an_adopted_request_keeps_what_its_admission_promised(server):
     schedules it by them, with its tenant's policy as it stands now."""
     from dataclasses import replace as with_
 
-    from router.admission import AdmissionControl
+    from router.admission.control import AdmissionControl
     from router.config import RouterConfig
     from router.metrics import RouterMetrics
-    from router.tenants import TenantsConfig
+    from router.tenant_policy import TenantsConfig
 
     async def go(store):
         await store.create(with_(record("promised"), predicted_tokens=37.5, tpot_slo_ms=40.0))

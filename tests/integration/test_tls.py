@@ -11,10 +11,10 @@ import httpx
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from client import TandemClient
 from cluster.cli import main
 from router.api import tandem_pb2 as pb
-from router.client import TandemClient
-from router.tls import ClientTLS, ServerTLS, channel
+from router.edge.tls import ClientTLS, ServerTLS, channel
 from tests.integration.harness import one_by_one
 
 pytestmark = pytest.mark.integration

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from cluster.autoscale import CONFIRM, Autoscaler
 from cluster.config import AutoscaleConfig
-from router.routing import WorkerLoad
+from router.fleet.routing import WorkerLoad
 from workers.messages import Pool
 
 

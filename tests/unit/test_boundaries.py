@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("kv_transfer", "workers", "router", "cluster")
+PACKAGES = ("kv_transfer", "workers", "router", "client", "cluster")
 
 
 def layer(module: str) -> int | None:
     """Bottom to top: kv_transfer and workers.model, workers.engine, the worker actors,
-    router, cluster. None: not ours."""
+    router, the client library, cluster. None: not ours."""
     if module.startswith(("kv_transfer", "workers.model")):
         return 0
     if module.startswith("workers.engine"):
@@ -24,8 +24,30 @@ def layer(module: str) -> int | None:
         return 2
     if module.startswith("router"):
         return 3
-    if module.startswith("cluster"):
+    if module == "client" or module.startswith("client."):
         return 4
+    if module.startswith("cluster"):
+        return 5
+    return None
+
+
+# The router's parts, bottom to top: what every part may use (its config and the tenants'
+# policies, errors, metrics and the generated API), records and the fleet, admission,
+# requests, the controller duties, and the edge where calls come in.
+ROUTER_PARTS = (
+    ("router.api", "router.config", "router.errors", "router.metrics", "router.tenant_policy"),
+    ("router.records", "router.fleet"),
+    ("router.admission",),
+    ("router.requests",),
+    ("router.controller",),
+    ("router.edge",),
+)
+
+
+def router_part(module: str) -> int | None:
+    for i, parts in enumerate(ROUTER_PARTS):
+        if any(module == p or module.startswith(p + ".") for p in parts):
+            return i
     return None
 
 
@@ -44,17 +66,32 @@ def imports(path: Path) -> list[str]:
     return found
 
 
-def test_imports_never_point_up():
+def upward_imports(rank) -> list[str]:
+    """Every import, in our packages, of a module that `rank` puts above the importer."""
     wrong = []
     for pkg in PACKAGES:
         for path in (ROOT / pkg).rglob("*.py"):
             me = module_name(path)
-            mine = layer(me)
+            mine = rank(me)
             for target in imports(path):
-                theirs = layer(target)
-                if theirs is not None and theirs > mine:
+                theirs = rank(target)
+                if mine is not None and theirs is not None and theirs > mine:
                     wrong.append(f"{me} imports {target}")
+    return wrong
+
+
+def test_imports_never_point_up():
+    wrong = upward_imports(layer)
     assert not wrong, "upward imports:\n" + "\n".join(wrong)
+
+
+def test_the_routers_parts_never_import_a_part_above():
+    every = {module_name(p) for p in (ROOT / "router").rglob("*.py")}
+    assert all(router_part(m) is not None for m in every if m != "router"), sorted(
+        m for m in every if m != "router" and router_part(m) is None
+    )
+    wrong = upward_imports(router_part)
+    assert not wrong, "upward imports between the router's parts:\n" + "\n".join(wrong)
 
 
 HELP = (
@@ -67,12 +104,12 @@ HELP = (
 @pytest.mark.parametrize(
     "code",
     [
-        "import router.client",
-        "import cluster.cli_remote, workers.messages, router.convert",
+        "import client",
+        "import cluster.cli_remote, workers.messages, router.edge.convert",
         HELP.format(command="status"),
         HELP.format(command="up"),
     ],
-    ids=["router.client", "client-side modules", "tandem status --help", "tandem up --help"],
+    ids=["client", "client-side modules", "tandem status --help", "tandem up --help"],
 )
 def test_client_side_starts_without_torch(code):
     check = (
@@ -177,7 +214,7 @@ def public_members(cls: type) -> set[str]:
 
 
 def test_the_router_and_the_decode_worker_stay_small():
-    from router.core import Router
+    from router.requests.core import Router
     from workers.decode import DecodeWorker
 
     members = public_members(Router)

@@ -13,8 +13,18 @@ import pytest
 from cluster.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
+OURS = r"`((?:router|workers|cluster|kv_transfer|client)/[\w/]+\.py)`"  # a file of ours, named
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-PACKAGES = ("kv_transfer", "workers", "router", "cluster", "benchmarks", "deploy", "tests")
+PACKAGES = (
+    "kv_transfer",
+    "workers",
+    "router",
+    "client",
+    "cluster",
+    "benchmarks",
+    "deploy",
+    "tests",
+)
 
 
 def doc_ids():
@@ -66,7 +76,7 @@ def test_every_class_member_the_architecture_names_is_in_its_file():
     # And those named alone, by class: each class is found in the files the doc names.
     modules = [
         importlib.import_module(p.removesuffix(".py").replace("/", "."))
-        for p in set(re.findall(r"`((?:router|workers|cluster|kv_transfer)/[\w/]+\.py)`", text))
+        for p in set(re.findall(OURS, text))
     ]
     for cls, member in set(re.findall(r"`([A-Z]\w+)\.(\w+)`", text)):
         owners = [getattr(m, cls) for m in modules if hasattr(m, cls)]

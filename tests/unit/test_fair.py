@@ -1,4 +1,4 @@
-"""The router's admission order (router/fair.py) on scripted arrivals, with a clock of the
+"""The router's admission order (router/admission/fair.py) on scripted arrivals, with a clock of the
 test's own: slots kept for a wide request, fair share by tokens and weight, tiers, caps,
 aging and max wait, SJF by prediction, slack and reject_if_late; and tenants' quotas."""
 
@@ -6,9 +6,10 @@ import asyncio
 
 import pytest
 
+from router.admission.fair import FairQueue, Ticket
+from router.admission.tenants import TenantTable, TokenBucket
 from router.errors import RouterError
-from router.fair import FairQueue, Ticket
-from router.tenants import TenantsConfig, TenantTable, TokenBucket
+from router.tenant_policy import TenantsConfig
 from workers.messages import Status
 
 
@@ -401,7 +402,7 @@ def test_a_waiter_cancelled_in_the_same_turn_as_a_release_takes_nothing():
 
 
 def test_a_cap_lowered_below_a_waiters_choices_refuses_it_and_changes_are_all_or_none():
-    from router.admission import AdmissionControl
+    from router.admission.control import AdmissionControl
     from router.config import RouterConfig
     from router.metrics import RouterMetrics
 

@@ -9,9 +9,9 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
+from router.edge.http import OpenAIFront
 from router.errors import RouterError
-from router.http import OpenAIFront
-from router.stream import Chunk
+from router.requests.stream import Chunk
 from workers.messages import Status
 from workers.model.loader import resolve_model
 from workers.model.tokenizer import Tokenizer

@@ -10,9 +10,9 @@ import pytest
 from cluster.cli import _key_line
 from cluster.cluster import SECRET, shared_config
 from cluster.config import ClusterConfig
-from router.auth import bearer, refusal, scoped_id
 from router.config import RouterConfig
-from router.keys import (
+from router.edge.auth import bearer, refusal, scoped_id
+from router.edge.keys import (
     AUTH_TOKEN_ENV,
     DEFAULT_TENANT,
     KeyFileError,
@@ -184,7 +184,7 @@ def test_a_joining_router_runs_on_its_own_config_and_refuses_a_different_or_plan
 
 
 def test_a_bad_certificate_or_key_file_fails_the_start_naming_its_field(tmp_path):
-    from router.tls import ServerTLS, TLSFileError
+    from router.edge.tls import ServerTLS, TLSFileError
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     cert.write_text("not a certificate")

@@ -8,7 +8,7 @@ import pytest
 
 from cluster.config import AutoscaleConfig, ClusterConfig, PoolConfig
 from cluster.pools import POOLS_KEY, PoolManager, PoolSpec
-from router.directory import PoolRefusal, WorkerRef
+from router.fleet.directory import PoolRefusal, WorkerRef
 from workers.engine.config import EngineConfig
 from workers.messages import Pool, Status, WorkerInfo
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from cluster.pools import PoolManager, PoolSpec
-from router.directory import WorkerRef
+from router.fleet.directory import WorkerRef
 from workers.engine.config import EngineConfig
 from workers.messages import Pool
 

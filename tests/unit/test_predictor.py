@@ -1,4 +1,4 @@
-"""The router's online predictions (router/predictor.py): output length per tenant and
+"""The router's online predictions (router/admission/predictor.py): output length per tenant and
 prompt length, falling back to wider keys, capped at max_tokens, its error reported; and
 the linear fit used for times."""
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from router.predictor import MAX_KEYS, MIN_SAMPLES, LengthPredictor, LinearFit
+from router.admission.predictor import MAX_KEYS, MIN_SAMPLES, LengthPredictor, LinearFit
 
 
 def test_a_tenants_lengths_are_learned_and_capped_at_max_tokens():

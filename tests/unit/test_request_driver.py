@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 import pytest
 
 from router.config import Mode, RouterConfig
-from router.directory import WorkerRef
-from router.driver import RequestDriver, SharedStart
-from router.driving import DriverEnv
 from router.errors import AttemptFailed
-from router.store import RecordState
-from router.stream import RequestStream
+from router.fleet.directory import WorkerRef
+from router.records.store import RecordState
+from router.requests.driver import RequestDriver
+from router.requests.driving import DriverEnv
+from router.requests.shared_start import SharedStart
+from router.requests.stream import RequestStream
 from workers.engine.request import FinishReason, SamplingParams
 from workers.messages import (
     DecodeEndpoint,
@@ -176,7 +177,7 @@ class FakeFleet:
 
     def kill(self, name: str) -> None:
         """A worker dies: the fleet's news reaches every driver with a request there."""
-        from router.driver import WorkerLost
+        from router.requests.driver import WorkerLost
 
         self.workers[name].alive = False
         for d in self.drivers.values():
@@ -213,14 +214,13 @@ def env(fleet, mode=Mode.DISAGGREGATED, **config) -> DriverEnv:
 def driver(e: DriverEnv, n: int = 1, seed: int = 5) -> list[RequestDriver]:
     spec = RequestSpec("r1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, seed=seed, n=n))
     specs = [spec.choice(i) for i in range(n)] if n > 1 else [spec]
-    shared = SharedStart(e, spec) if n > 1 else None
-    drivers = []
-    for i, c in enumerate(specs):
-        d = RequestDriver(e, c, RequestStream.open(c.request_id, Tok(), index=i), shared)
-        e.fleet.drivers[c.request_id] = d
-        drivers.append(d)
-    if shared is not None:
-        shared.drivers = drivers
+    streams = [RequestStream.open(c.request_id, Tok(), index=i) for i, c in enumerate(specs)]
+    if n > 1:
+        drivers = SharedStart(e, spec, streams).drivers
+    else:
+        drivers = [RequestDriver(e, spec, streams[0])]
+    for d in drivers:
+        e.fleet.drivers[d.request_id] = d
     return drivers
 
 

@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
+from router.admission.request import Admission
 from router.config import RouterConfig
-from router.core import Router
 from router.errors import RouterError
-from router.validation import Admission
+from router.requests.core import Router
 from workers.engine.request import SamplingParams
 from workers.messages import Pool, PoolStatus, Status
 
@@ -59,7 +59,7 @@ def test_full_queue_is_resource_exhausted_and_empty_pools_unavailable():
 
 def test_validation_takes_the_decimal_a_float32_field_came_from_and_names_bad_fields():
     from router.api import tandem_pb2 as pb
-    from router.validation import InvalidRequest, validate
+    from router.edge.validation import InvalidRequest, validate
 
     sp = pb.SamplingParams(
         temperature=0.8, top_p=0.95, min_p=0.05, repetition_penalty=1.3, logit_bias={5: -2.7}
@@ -105,7 +105,7 @@ class CountingTokenizer:
 )
 def test_each_cost_limit_is_refused_before_any_work_naming_itself(fields, named):
     from router.api import tandem_pb2 as pb
-    from router.validation import InvalidRequest, validate
+    from router.edge.validation import InvalidRequest, validate
 
     sampling = pb.SamplingParams(**fields.pop("sampling", {}))
     msg = pb.GenerateRequest(sampling=sampling, **{"prompt": "Hello", **fields})
@@ -117,7 +117,7 @@ def test_each_cost_limit_is_refused_before_any_work_naming_itself(fields, named)
 
 def test_requests_at_the_limits_are_taken():
     from router.api import tandem_pb2 as pb
-    from router.validation import message_bytes_limit, validate
+    from router.edge.validation import message_bytes_limit, validate
 
     sampling = pb.SamplingParams(
         stop=["z" * 256] * 16, stop_token_ids=list(range(256)), max_tokens=4
@@ -148,7 +148,7 @@ def test_each_choice_takes_a_slot_and_resume_streams_are_capped():
 
 
 def test_a_spent_quota_is_resource_exhausted_with_when_to_retry():
-    from router.tenants import TenantsConfig
+    from router.tenant_policy import TenantsConfig
 
     async def go():
         tenants = TenantsConfig(tokens_per_minute={"metered": 60})
@@ -186,7 +186,7 @@ def test_tandem_tenants_set_builds_its_request_and_names_bad_fields():
 
 
 def test_records_flush_waits_for_queued_writes_and_gives_up_in_time():
-    from router.records import Records
+    from router.records.records import Records
 
     class Store:
         where = "fake"
@@ -240,7 +240,7 @@ def test_a_stopped_controller_stops_though_its_store_client_swallows_the_cancel(
 
 def test_a_tenant_name_outside_the_id_alphabet_is_refused():
     from router.api import tandem_pb2 as pb
-    from router.validation import InvalidRequest, validate
+    from router.edge.validation import InvalidRequest, validate
 
     msg = pb.GenerateRequest(prompt_ids=[1, 2], tenant="acme corp")
     with pytest.raises(InvalidRequest, match="tenant"):

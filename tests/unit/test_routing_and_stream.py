@@ -1,7 +1,7 @@
 import asyncio
 
-from router.routing import RoutingPolicy, WorkerLoad
-from router.stream import RequestStream
+from router.fleet.routing import RoutingPolicy, WorkerLoad
+from router.requests.stream import RequestStream
 from workers.engine.request import FinishReason
 from workers.messages import Status, TokenEvent
 from workers.model.loader import ModelSource
@@ -95,7 +95,7 @@ async def _collect(stream):
 def test_choices_streams_merge_as_they_come_each_tagged_until_all_end(smollm2_tokenizer_dir):
     """n > 1: the choices' streams reach the caller interleaved as their events arrive, each
     chunk tagged with its choice, and the merged stream ends once every choice has ended."""
-    from router.stream import follow_all
+    from router.requests.stream import follow_all
 
     tok = Tokenizer(ModelSource(smollm2_tokenizer_dir))
     ids = tok.encode("one two three four")

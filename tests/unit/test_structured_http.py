@@ -9,8 +9,8 @@ import json
 import openai
 import pytest
 
-from router.stream import Chunk
-from router.tools import CallStream, parse_calls
+from router.edge.tools import CallStream, parse_calls
+from router.requests.stream import Chunk
 from tests.unit.test_http_front import serve as serve_front
 from workers.engine.constraint import ConstraintKind
 from workers.messages import Status

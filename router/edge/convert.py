@@ -1,5 +1,5 @@
 """Protobuf <-> the cluster's own types, in one place: the router's edge. Nothing past it sees
-a protobuf message. (Requests come in through router/validation.py, which checks them as it
+a protobuf message. (Requests come in through router/edge/validation.py, which checks them as it
 converts.) No torch here: the client uses `status_to_dict`."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from router.api import tandem_pb2 as pb
 from workers.messages import PoolStatus, WorkerStatus
 
 if TYPE_CHECKING:  # the stream pulls in the tokenizer; clients import this module without it
-    from router.stream import Chunk
-    from router.tenants import Tenant
+    from router.requests.stream import Chunk
+    from router.tenant_policy import Tenant
 
 
 def response(request_id: str, chunk: Chunk, prompt_tokens: int, completion_tokens: int):
@@ -51,7 +51,7 @@ def tenant_policy(t: Tenant) -> pb.TenantPolicy:
 
 def tenant_changes(p: pb.TenantPolicy) -> dict:
     """The fields a TenantsRequest sets (max_wait_s 0: unset, back to the router's)."""
-    from router.tenants import POLICY_FIELDS
+    from router.tenant_policy import POLICY_FIELDS
 
     changes = {name: getattr(p, name) for name in POLICY_FIELDS if p.HasField(name)}
     if changes.get("max_wait_s") == 0:

@@ -1,13 +1,13 @@
 """The router's view of the workers, and every call a request makes to one.
 
-- Who is there: the pool manager's members (router/directory.py), and their liveness: a
+- Who is there: the pool manager's members (router/fleet/directory.py), and their liveness: a
   failed call, three status calls in a row unanswered, a refused liveness port, or an engine
   step running past stall_timeout_s marks a worker dead (and its requests replay).
 - How loaded each is: a status call to every worker every status_interval_s, plus the
   requests this router sent since (counted when a call goes out, not when it is granted, so
   the requests of a burst see each other). Its last answer is kept for `tandem status`.
 - Where to place a request: decode candidates by room and load, a prefill worker by queue and
-  prefix affinity (router/routing.py), and waiting for decode room when there is none.
+  prefix affinity (router/fleet/routing.py), and waiting for decode room when there is none.
 - The calls: reserve and submit (a yes that lands after the request gave up on it is
   cancelled once it lands), prefill, phase and cancel. A worker's death, a timeout or a Ray
   error fail the call as UNAVAILABLE (`AttemptFailed`); an error the worker raised, as
@@ -29,9 +29,9 @@ from dataclasses import replace
 import ray
 
 from router.config import RouterConfig
-from router.directory import PoolEvent, WorkerDirectory, WorkerRef
 from router.errors import AttemptFailed
-from router.routing import RoutingPolicy, WorkerLoad
+from router.fleet.directory import PoolEvent, WorkerDirectory, WorkerRef
+from router.fleet.routing import RoutingPolicy, WorkerLoad
 from workers.messages import (
     Phase,
     Pool,

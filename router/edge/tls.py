@@ -104,12 +104,15 @@ class ClientTLS:
         return grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
 
 
-def channel(address: str, tls: ClientTLS | ServerTLS | None) -> grpc.aio.Channel:
-    """A channel to a router: over TLS when `tls` is given (a ServerTLS: as a peer router)."""
+def channel(
+    address: str, tls: ClientTLS | ServerTLS | None, interceptors: list | None = None
+) -> grpc.aio.Channel:
+    """A channel to a router: over TLS when `tls` is given (a ServerTLS: as a peer router),
+    every call through `interceptors` (grpc.aio client interceptors), if any."""
     if tls is None:
-        return grpc.aio.insecure_channel(address)
+        return grpc.aio.insecure_channel(address, interceptors=interceptors)
     creds = tls.peer_credentials() if isinstance(tls, ServerTLS) else tls.grpc_credentials()
-    return grpc.aio.secure_channel(address, creds)
+    return grpc.aio.secure_channel(address, creds, interceptors=interceptors)
 
 
 def _load_chain(ctx: ssl.SSLContext, cert: bytes, key: bytes) -> None:

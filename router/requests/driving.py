@@ -1,8 +1,8 @@
-"""What a RequestDriver (router/driver.py) needs from the router, as narrow interfaces:
+"""What a RequestDriver (router/requests/driver.py) needs from the router, as narrow interfaces:
 
 - `Placement`: the workers, where a request may go and the calls that put it there
-  (router/fleet.py's `Fleet` is the real one; the driver's unit tests script a fake);
-- `RequestLog`: the request's record and token log in the store (router/records.py);
+  (router/fleet/fleet.py's `Fleet` is the real one; the driver's unit tests script a fake);
+- `RequestLog`: the request's record and token log in the store (router/records/records.py);
 - `DriverEnv`: those two, the settings, and the counters a driver reports to.
 
 Nothing here knows the Router or the driver's class: the driver depends on this module, and
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from router.config import Mode, RouterConfig
-from router.directory import WorkerRef
-from router.store import RequestRecord
+from router.fleet.directory import WorkerRef
+from router.records.store import RequestRecord
 from workers.messages import Phase, Pool, PrefillJob, PrefillResult, RequestSpec, Reservation
 
 
@@ -60,6 +60,21 @@ class Placement(Protocol):
         notify: bool = False,
         attempt: int | None = None,
     ) -> None: ...
+
+
+class FirstAttempt(Protocol):
+    """The first attempt of an n > 1 request, which its choices' drivers share
+    (router/requests/shared_start.py)."""
+
+    attempt: int  # which attempt it is
+    local: bool  # it runs whole on its decode worker (no prefill worker, no transfer)
+
+    async def begin(self) -> None:
+        """Until the request is placed and its first tokens are out (the first caller
+        starts the placement); raises as the placement failed."""
+
+    def failed(self, driver: Any, reason: str) -> None:
+        """One choice's attempt failed before the KV landed: so does every other's."""
 
 
 class RequestLog(Protocol):

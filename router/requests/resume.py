@@ -8,10 +8,10 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from router.driving import RequestLog
 from router.errors import RouterError
-from router.store import RequestRecord
-from router.stream import Chunk, RequestStream
+from router.records.store import RequestRecord
+from router.requests.driving import RequestLog
+from router.requests.stream import Chunk, RequestStream
 from workers.messages import Status
 from workers.model.tokenizer import TextStream
 

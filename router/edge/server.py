@@ -1,6 +1,6 @@
 """The gRPC face of the router: Generation and Admin services, standard health checking and
 server reflection (so grpcurl and load balancers work), and API keys checked at the door
-(router/auth.py).
+(router/edge/auth.py).
 
 Every failure leaves as a gRPC status: RouterError carries one, a failed request's last chunk
 carries one, and a request is never returned as a truncated success.
@@ -19,19 +19,18 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from router import convert
 from router.api import tandem_pb2 as pb
 from router.api import tandem_pb2_grpc as pb_grpc
-from router.auth import ADMIN, AuthInterceptor, bearer, caller, scoped_id
-from router.client import FINAL_KEY
 from router.controller import Controller
-from router.core import Router
-from router.directory import PoolRefusal
-from router.errors import RouterError
-from router.keys import KeyRing
-from router.tls import ServerTLS
-from router.tls import channel as tls_channel
-from router.validation import GrammarCheck, InvalidRequest, message_bytes_limit, validate
+from router.edge import convert
+from router.edge.auth import ADMIN, AuthInterceptor, bearer, caller, scoped_id
+from router.edge.keys import KeyRing
+from router.edge.tls import ServerTLS
+from router.edge.tls import channel as tls_channel
+from router.edge.validation import GrammarCheck, InvalidRequest, message_bytes_limit, validate
+from router.errors import FINAL_KEY, RouterError
+from router.fleet.directory import PoolRefusal
+from router.requests.core import Router
 from workers.messages import Pool, Status
 
 log = logging.getLogger(__name__)
@@ -371,7 +370,7 @@ async def start_server(
 ):
     """Binds, starts the services and the router's controller duties; returns (server,
     bound port, controller). With `keys`, every call but health checks and reflection needs
-    one (router/auth.py); with `tls`, the port serves TLS only (router/tls.py)."""
+    one (router/edge/auth.py); with `tls`, the port serves TLS only (router/edge/tls.py)."""
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(keys)] if keys is not None else None,
         options=[("grpc.max_receive_message_length", message_bytes_limit(max_model_len))],

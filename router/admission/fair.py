@@ -34,9 +34,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from router.admission.predictor import LinearFit
+from router.admission.tenants import TenantTable
 from router.errors import RouterError
-from router.predictor import LinearFit
-from router.tenants import Tenant, TenantTable
+from router.tenant_policy import Tenant
 from workers.engine.fairness import OVERDUE, Ledger, cost, owed
 from workers.engine.orders import Order, Side, make_order
 from workers.messages import Status

@@ -1,11 +1,11 @@
 """Admission control: what stands between a valid request and its generation slots.
 
     the tenant's quota (refused past it, with when to retry) -> its output length predicted,
-    its SLOs settled (its own, else its tier's) -> a Ticket in the FairQueue (router/fair.py)
+    its SLOs settled (its own, else its tier's) -> a Ticket in the FairQueue (router/admission/fair.py)
     -> slots -> its tokens counted against the tenant's share and quota as they stream ->
     at its end, the predictor learns the length it had
 
-`AdmissionControl` owns the tenants (router/tenants.py), the predictor (router/predictor.py)
+`AdmissionControl` owns the tenants (router/admission/tenants.py), the predictor (router/admission/predictor.py)
 and the slots. The Router calls it for each request; the Admin call `Tenants` and `tandem
 status` read it. The tenants' run-time changes go through the store, when there is one: the
 router that takes the change writes it there, and every router reads it back at its next
@@ -18,15 +18,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
+from router.admission.fair import FairQueue, Ticket
+from router.admission.predictor import LengthPredictor
+from router.admission.request import Admission
+from router.admission.tenants import TenantTable
 from router.config import RouterConfig
 from router.errors import RouterError
-from router.fair import FairQueue, Ticket
 from router.metrics import RouterMetrics
-from router.predictor import LengthPredictor
-from router.store import RequestRecord
-from router.stream import Chunk
-from router.tenants import DEFAULT, Tenant, TenantTable
-from router.validation import Admission
+from router.records.store import RequestRecord
+from router.tenant_policy import DEFAULT, Tenant
 from workers.engine.request import Tenancy
 from workers.messages import RequestSpec, Status
 
@@ -155,20 +155,20 @@ class AdmissionControl:
     def release(self, ticket: Ticket) -> None:
         self.slots.release(ticket)
 
-    def served(self, ticket: Ticket, made: list[int], chunk: Chunk) -> None:
-        """Count a chunk's tokens against its tenant's share and quota (`made`: output tokens
-        of each choice so far); at a choice's end, teach the predictor its length."""
-        k = len(chunk.token_ids)
+    def served(self, ticket: Ticket, made: list[int], index: int, k: int, ended: bool) -> None:
+        """Count `k` output tokens of choice `index` against its tenant's share and quota
+        (`made`: output tokens of each choice so far); once the choice has ended well
+        (`ended`), teach the predictor its length."""
         if k:
             if not any(made):
                 self.slots.first_token(ticket)
-            made[chunk.index] += k
+            made[index] += k
             self.slots.served(ticket.tenant, k)
             self.tenants.charge(ticket.tenant, k)
-        if chunk.finished and chunk.status is Status.OK:
+        if ended:
             p = self.predictor
             p.observe(ticket.tenant, ticket.prompt_tokens, ticket.max_tokens,
-                      ticket.predicted_tokens, made[chunk.index])  # fmt: skip
+                      ticket.predicted_tokens, made[index])  # fmt: skip
             self.metrics.length_error.set(p.mean_abs_error or 0.0, self.metrics.tags)
 
     def tenancy(self, rec: RequestRecord) -> Tenancy:

@@ -10,13 +10,12 @@ import struct
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 
+from router.admission.request import Admission
 from router.api import tandem_pb2 as pb
 from workers.engine.constraint import Constraint, ConstraintKind
 from workers.engine.grammar import GrammarCompiler, GrammarError
 from workers.engine.request import SamplingParams
-from workers.messages import RequestSpec
 
 # Ids: no ":" (Redis's key separator), "/" (a tenant's scope) or "#" (a choice's index).
 _ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -46,22 +45,6 @@ def message_bytes_limit(max_model_len: int) -> int:
 
 class InvalidRequest(ValueError):
     pass
-
-
-@dataclass(frozen=True)
-class Admission:
-    request_id: str
-    prompt_ids: tuple[int, ...]
-    sampling: SamplingParams  # its seed resolved: the request's own, or drawn here
-    priority: int = 0
-    tenant: str = ""
-    ttft_slo_ms: float | None = None  # None: the tier's default
-    tpot_slo_ms: float | None = None
-    reject_if_late: bool = False
-
-    @property
-    def spec(self) -> RequestSpec:
-        return RequestSpec(self.request_id, self.prompt_ids, self.sampling, priority=self.priority)
 
 
 def decimal_of_float32(x: float) -> float:

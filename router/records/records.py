@@ -21,12 +21,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from router.errors import RouterError
-from router.store import RecordState, RequestRecord, RequestStore
+from router.records.store import RecordState, RequestRecord, RequestStore
 from workers.messages import Status
 
 log = logging.getLogger(__name__)
 _KEEP_ENDED_S = 60.0
-# What a store raises when it cannot be reached (see router/store.py), and our own timeout.
+# What a store raises when it cannot be reached (see router/records/store.py), and our own timeout.
 AWAY = (ConnectionError, TimeoutError)
 _RETRY_S = 0.5
 
@@ -38,8 +38,18 @@ class _Ended:
     at: float
 
 
+Snapshots = Callable[[], list[tuple[RequestRecord, list[int]]]]
+
+
 class Records:
-    def __init__(self, store: RequestStore | None, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        store: RequestStore | None,
+        timeout_s: float = 5.0,
+        snapshots: Snapshots = lambda: [],
+    ) -> None:
+        """`snapshots`: the records and tokens of the requests running here now, written
+        back to a store that lost them (restarted without its data)."""
         self.store = store
         self.timeout_s = timeout_s
         self.down_since: float | None = None
@@ -47,7 +57,7 @@ class Records:
         self._queue: deque[tuple[str, Callable[[], Awaitable]]] = deque()
         self._wake = asyncio.Event()
         self._ended: deque[_Ended] = deque()
-        self.snapshots: Callable[[], list[tuple[RequestRecord, list[int]]]] = lambda: []
+        self.snapshots = snapshots
 
     @property
     def available(self) -> bool:
@@ -104,7 +114,7 @@ class Records:
         while self._ended and now - self._ended[0].at > _KEEP_ENDED_S:
             self._ended.popleft()
 
-    # -- what a request's driver writes and reads (router/driving.py's RequestLog) ----------
+    # -- what a request's driver writes and reads (router/requests/driving.py's RequestLog) ----------
     def begin_attempt(
         self, rid: str, attempt: int, owner: str, prefill: str, decode: str, cause: str
     ) -> None:

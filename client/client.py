@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from client.channel import open_channel
 from router.api import tandem_pb2 as pb
 from router.api import tandem_pb2_grpc as pb_grpc
-from router.convert import status_to_dict, tenants_to_dict
-from router.tls import ClientTLS, channel
+from router.edge.convert import status_to_dict, tenants_to_dict
+from router.edge.tls import ClientTLS
+from router.errors import FINAL_KEY
 from workers.completion import Completion, GenerationRequest
 from workers.engine.constraint import Constraint, ConstraintKind
 from workers.engine.request import SamplingParams
@@ -33,7 +35,6 @@ __all__ = [
     "tenants_to_dict",
     "fetch_status",
 ]
-FINAL_KEY = "tandem-final"  # trailing metadata on every status a router decides
 
 
 def to_proto(req: GenerationRequest, request_id: str = "") -> pb.GenerateRequest:
@@ -121,9 +122,9 @@ class TandemClient:
         """`token`: the API key sent with every call; `tls`: reach the routers over TLS,
         trusting its CA (and presenting its certificate, for a router that asks)."""
         self.addresses = address.split(",") if isinstance(address, str) else list(address)
-        self.channels = [channel(a.strip(), tls) for a in self.addresses]
+        # The key goes on every call through the channels themselves (client/channel.py).
+        self.channels = [open_channel(a.strip(), token, tls) for a in self.addresses]
         self.current = 0
-        self.metadata = [("authorization", f"Bearer {token}")] if token else None
 
     @property
     def gen(self) -> pb_grpc.GenerationStub:
@@ -186,13 +187,12 @@ class TandemClient:
                     gen.Resume(
                         pb.ResumeRequest(request_id=rid, offset=len(r.token_ids), index=r.index),
                         timeout=left,
-                        metadata=self.metadata,
                     )
                     for r in results
                     if not r.done
                 ]
             else:
-                calls = [gen.Generate(msg, timeout=left, metadata=self.metadata)]
+                calls = [gen.Generate(msg, timeout=left)]
             outcomes = await asyncio.gather(*(take(c) for c in calls), return_exceptions=True)
             errors = [e for e in outcomes if isinstance(e, BaseException)]
             if not errors:
@@ -249,13 +249,11 @@ class TandemClient:
             res.e2e_s = now
 
     async def cancel(self, request_id: str) -> bool:
-        r = await self.gen.Cancel(
-            pb.CancelRequest(request_id=request_id), timeout=30, metadata=self.metadata
-        )
+        r = await self.gen.Cancel(pb.CancelRequest(request_id=request_id), timeout=30)
         return r.found
 
     async def status(self) -> pb.StatusResponse:
-        return await self.admin.Status(pb.StatusRequest(), timeout=30, metadata=self.metadata)
+        return await self.admin.Status(pb.StatusRequest(), timeout=30)
 
 
 async def fetch_status(address: str, token: str | None = None, tls=None) -> dict:

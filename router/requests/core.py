@@ -1,13 +1,13 @@
 """The router's request path, independent of gRPC and HTTP:
 
-    admit (queue bound, the tenant's quota) -> wait for slots in fair order (router/fair.py)
-    -> record QUEUED in the store -> a RequestDriver runs the attempts (router/driver.py)
+    admit (queue bound, the tenant's quota) -> wait for slots in fair order (router/admission/fair.py)
+    -> record QUEUED in the store -> a RequestDriver runs the attempts (router/requests/driver.py)
     -> its stream's chunks go to the caller -> final state in the store
 
 The Router owns the table of requests it drives and runs each through admission control
-(router/admission.py: tenants, quotas, predictions, fair order); the workers are the Fleet's
-(router/fleet.py), the store's records the Records' (router/records.py). Drivers see neither
-the Router nor those classes, only the narrow interfaces of router/driving.py.
+(router/admission/control.py: tenants, quotas, predictions, fair order); the workers are the Fleet's
+(router/fleet/fleet.py), the store's records the Records' (router/records/records.py). Drivers see neither
+the Router nor those classes, only the narrow interfaces of router/requests/driving.py.
 
 Cancellation, a client that goes away, or a deadline all end in the same place: the driver
 is cancelled, the request is cancelled on its workers and its blocks are freed at once.
@@ -22,19 +22,20 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
-from router.admission import AdmissionControl
+from router.admission.control import AdmissionControl
+from router.admission.request import Admission
 from router.config import Mode, RouterConfig
-from router.directory import WorkerDirectory
-from router.driver import RequestDriver, SharedStart, WorkerLost
-from router.driving import DriverEnv, Replays
 from router.errors import RouterError
-from router.fleet import Fleet
+from router.fleet.directory import WorkerDirectory
+from router.fleet.fleet import Fleet
 from router.metrics import RouterMetrics
-from router.records import Records
-from router.resume import from_stream, tail_log
-from router.store import RecordState, RequestRecord, RequestStore
-from router.stream import Chunk, RequestStream, follow_all
-from router.validation import Admission
+from router.records.records import Records
+from router.records.store import RecordState, RequestRecord, RequestStore
+from router.requests.driver import RequestDriver, WorkerLost
+from router.requests.driving import DriverEnv, Replays
+from router.requests.resume import from_stream, tail_log
+from router.requests.shared_start import SharedStart
+from router.requests.stream import Chunk, RequestStream, follow_all
 from workers.engine.request import FinishReason, choice_id, choice_index
 from workers.messages import Pool, RequestSpec, Status, TokenEvent
 
@@ -72,8 +73,7 @@ class Router:
         config = config or RouterConfig()
         self.tokenizer = tokenizer
         self.metrics = RouterMetrics(self.id)
-        self.records = Records(store, config.rpc_timeout_s)
-        self.records.snapshots = self._snapshots
+        self.records = Records(store, config.rpc_timeout_s, self._snapshots)
         self.fleet = Fleet(directory, block_size, config, self.id, self._deliver, self._lost)
         self._env = DriverEnv(
             self.id,
@@ -103,7 +103,7 @@ class Router:
         """Its timeouts, limits, replay and retry settings take effect for every request from
         its next wait or attempt on, its admission order from the next slot freed;
         max_in_flight alone (the slots) is fixed at start, and the tenants are changed
-        through `admission.tenants` (router/tenants.py)."""
+        through `admission.tenants` (router/admission/tenants.py)."""
         self._env.config = self.fleet.config = config
         self.admission.configure(config)
 
@@ -179,19 +179,21 @@ class Router:
             self._queue_depth -= 1
         timer.admitted(ticket.prompt_tokens)
         drivers: list[RequestDriver] = []
-        shared = SharedStart(self._env, spec) if n > 1 else None
+        shared: SharedStart | None = None
         made = [0] * n  # output tokens of each choice
         try:
             await self._create_records(specs, adm.tenant)
-            for i, c in enumerate(specs):
-                stream = RequestStream.open(c.request_id, self.tokenizer, c.sampling.stop, index=i)
-                driver = RequestDriver(self._env, c, stream, shared)
-                driver.tenant, driver.choices = adm.tenant, n
-                self._drivers[c.request_id] = driver
-                drivers.append(driver)
-            if shared is not None:
-                shared.drivers = drivers
-                self._groups[rid] = shared
+            streams = [
+                RequestStream.open(c.request_id, self.tokenizer, c.sampling.stop, index=i)
+                for i, c in enumerate(specs)
+            ]
+            if n > 1:
+                shared = self._groups[rid] = SharedStart(self._env, spec, streams, adm.tenant)
+                drivers = shared.drivers
+            else:
+                drivers = [RequestDriver(self._env, spec, streams[0], adm.tenant)]
+            for driver in drivers:
+                self._drivers[driver.request_id] = driver
             for driver in drivers:
                 driver.start()
             self.metrics.queue(self._queue_depth, len(self._drivers))
@@ -199,7 +201,8 @@ class Router:
                 ok = chunk.status is Status.OK
                 status = (chunk.finish_reason or "") if ok else chunk.status.value
                 timer.chunk(chunk.index, len(chunk.token_ids), chunk.finished, status)
-                self.admission.served(ticket, made, chunk)
+                ended = chunk.finished and ok
+                self.admission.served(ticket, made, chunk.index, len(chunk.token_ids), ended)
                 yield chunk
         finally:
             self.admission.release(ticket)
@@ -341,8 +344,7 @@ class Router:
         )
         index = choice_index(rec.request_id)
         stream = RequestStream.open(rec.request_id, self.tokenizer, spec.sampling.stop, index=index)
-        driver = RequestDriver(self._env, spec, stream)
-        driver.tenant, driver.choices = rec.tenant, rec.choices
+        driver = RequestDriver(self._env, spec, stream, rec.tenant, rec.choices)
         self._drivers[rec.request_id] = driver
         driver.start(adopted=True)
 

@@ -15,10 +15,11 @@ produces exactly the tokens the first attempt would have: the stream drops the o
 goes on.
 
 A request with n > 1 choices runs one driver per choice, each under the choice's own id (see
-RequestSpec.choice), and their first attempt is one SharedStart: one reservation and one
-prefill of the prompt, one KV push, and the decode worker forks the choices on the shared
-blocks. Until the KV has landed the choices share one fate (one's failure fails them all);
-after that, and in every replay, each choice is a request of its own.
+RequestSpec.choice), and their first attempt is one shared start (router/requests/
+shared_start.py): one reservation and one prefill of the prompt, one KV push, and the decode
+worker forks the choices on the shared blocks. Until the KV has landed the choices share one
+fate (one's failure fails them all); after that, and in every replay, each choice is a
+request of its own.
 
 An adopted request (its router died) is first watched: while its decode worker still runs it,
 its tokens land in the log and clients follow them there; if that worker is gone, it is
@@ -33,11 +34,11 @@ import time
 from dataclasses import dataclass, replace
 
 from router.config import Mode
-from router.directory import WorkerRef
-from router.driving import DriverEnv
 from router.errors import AttemptFailed, RouterError
-from router.store import RecordState, RequestRecord
-from router.stream import RequestStream
+from router.fleet.directory import WorkerRef
+from router.records.store import RecordState, RequestRecord
+from router.requests.driving import DriverEnv, FirstAttempt
+from router.requests.stream import RequestStream
 from workers.engine.request import FinishReason, split_choice
 from workers.messages import (
     Phase,
@@ -76,19 +77,22 @@ class RequestDriver:
         env: DriverEnv,
         spec: RequestSpec,
         stream: RequestStream | None,
-        shared: SharedStart | None = None,
+        tenant: str = "",
+        choices: int = 1,
+        shared: FirstAttempt | None = None,
     ) -> None:
+        """`choices`: the request's n (its record says so for Cancel and Resume); `shared`:
+        an n > 1 request's choice has its first attempt there."""
         self.env = env
         self.spec = spec  # attempt and output_ids are filled in per attempt
         self.stream = stream
-        self.shared = shared  # an n > 1 request's choice: its first attempt is shared
+        self.tenant, self.choices = tenant, choices
+        self.shared = shared
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.attempt = spec.attempt - 1  # attempts begun
         self.prefill: str | None = None
         self.decode: str | None = None
         self.failures: list[str] = []
-        self.tenant = ""
-        self.choices = 1  # the request's n (its record says so for Cancel and Resume)
         self.replaying_since: float | None = None  # a failure was seen; no new token yet
         self.task: asyncio.Task | None = None
         self.watching = False  # adopted and not yet replayed: its tokens are in the log only
@@ -219,7 +223,7 @@ class RequestDriver:
         )
         self.prefill = self.decode = None
         if self.shared is not None and attempt == self.shared.attempt:
-            await self.shared.begin()  # sets self.prefill and self.decode
+            await self.shared.begin()  # its workers are `placed` here as they are chosen
             return await self._follow(attempt, landed=self.shared.local)
         if self.runs_whole(spec):
             d = await self.place_whole(spec)
@@ -241,6 +245,11 @@ class RequestDriver:
         if self.env.mode is Mode.COLOCATED:
             return True
         return spec.num_tokens <= self.env.config.local_prefill_max_tokens
+
+    def placed(self, prefill: str | None, decode: str | None) -> None:
+        """The workers this attempt runs on, as a shared start chooses them (a worker's
+        death is news to this request from then on)."""
+        self.prefill, self.decode = prefill, decode
 
     def began(self, attempt: int, prefill: str, decode: str) -> None:
         """An attempt begins on these workers: its record says so."""
@@ -456,61 +465,3 @@ class RequestDriver:
             await fleet.phase(rec.decode, rid, rec.attempt),
             await fleet.phase(rec.prefill, rid, rec.attempt),
         )
-
-
-class SharedStart:
-    """The first attempt of an n > 1 request, shared by its choices' drivers: a reservation
-    on one decode worker and a prefill on one prefill worker, under the request's own id; the
-    prefill draws every choice's first token and pushes the KV once; the decode worker forks
-    the choices. The placement runs once, in a task of its own, whichever driver asks first,
-    so that one choice's cancellation does not stop the others'."""
-
-    def __init__(self, env: DriverEnv, spec: RequestSpec) -> None:
-        self.spec = spec
-        self.attempt = spec.attempt
-        self.lead = RequestDriver(env, spec, None)  # places the request; follows nothing
-        self.local = self.lead.runs_whole(spec)  # prefilled on its decode worker
-        self.drivers: list[RequestDriver] = []  # by choice index
-        self.task: asyncio.Task | None = None
-
-    async def begin(self) -> None:
-        if self.task is None:
-            self.task = asyncio.get_running_loop().create_task(self._place())
-        await asyncio.shield(self.task)
-
-    def cancel(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-
-    def failed(self, driver: RequestDriver, reason: str) -> None:
-        """One choice's attempt failed before the KV landed: so did every other's."""
-        for d in self.drivers:
-            if d is not driver:
-                d.deliver(SiblingFailed(self.attempt, reason))
-
-    async def _place(self) -> None:
-        lead = self.lead
-        spec = replace(self.spec, router_id=lead.env.router_id)
-        try:
-            if self.local:
-                d = await lead.place_whole(spec)
-                self._began("", d.name)
-                return
-            d = await lead.reserve_decode(spec)
-            for driver in self.drivers:  # its death is news to them from now on
-                driver.decode = d.name
-            p = await lead.pick_prefill()
-            lead.prefill = p.name
-            self._began(p.name, d.name)
-            r = await lead.prefill_on(p, PrefillJob(spec, d.endpoint))
-            for driver, first in zip(self.drivers, r.first):
-                driver.put(first_event(spec, first, driver.stream.index))
-        except BaseException:  # failed or cancelled: free what the request holds
-            if not lead.env.leaving():  # (a router leaving hands its requests over)
-                await lead.clean_up()
-            raise
-
-    def _began(self, prefill: str, decode: str) -> None:
-        for d in self.drivers:
-            d.prefill, d.decode = prefill or None, decode
-            d.began(self.attempt, prefill, decode)

@@ -1,7 +1,7 @@
 """Authentication and scopes at the router's gRPC door, before a request's bytes are parsed.
 
 A server interceptor reads the `authorization: Bearer <key>` metadata of each call, finds the
-key in the router's KeyRing (router/keys.py) and checks the scope the method needs: a wrong or
+key in the router's KeyRing (router/edge/keys.py) and checks the scope the method needs: a wrong or
 missing key is UNAUTHENTICATED, a key without the scope PERMISSION_DENIED, and either way the
 handler never runs and the message is never deserialized. Health checks and reflection stay
 open. The handlers then ask `caller` who is calling, to learn the tenant.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import grpc
 
-from router.keys import KeyRing, Principal
+from router.edge.keys import KeyRing, Principal
 
 GENERATE, ADMIN, ANY_KEY = "generate", "admin", ""
 # The scope each method needs (ANY_KEY: a valid key of any scope); a method not named here
