@@ -12,8 +12,8 @@ from router.edge.tls import ClientTLS, channel
 AUTHORIZATION = "authorization"
 
 
-class SendsKey(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
-    """Puts the key in every call's metadata, in place of any other authorization."""
+class _SendsKey:
+    """Puts the key in a call's metadata, in place of any other authorization."""
 
     def __init__(self, key: str) -> None:
         self.header = (AUTHORIZATION, f"Bearer {key}")
@@ -25,9 +25,14 @@ class SendsKey(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientI
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
         )
 
+
+# One class per kind of call: a channel files an interceptor under the first kind it is.
+class KeyOnUnary(_SendsKey, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await continuation(self._keyed(client_call_details), request)
 
+
+class KeyOnStream(_SendsKey, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(self._keyed(client_call_details), request)
 
@@ -36,4 +41,4 @@ def open_channel(
     address: str, key: str | None = None, tls: ClientTLS | None = None
 ) -> grpc.aio.Channel:
     """A channel to the router at `address`, over TLS with `tls`, sending `key` on every call."""
-    return channel(address, tls, [SendsKey(key)] if key else None)
+    return channel(address, tls, [KeyOnUnary(key), KeyOnStream(key)] if key else None)
