@@ -21,9 +21,10 @@ from pathlib import Path
 import ray
 
 from cluster import config_io
+from cluster.actors import PoolSpec
 from cluster.autoscale import Autoscaler
 from cluster.config import REDIS_URL_ENV, ClusterConfig
-from cluster.pools import NAMESPACE, PoolManager, PoolSpec
+from cluster.pools import NAMESPACE, PoolManager
 from cluster.redis_server import EmbeddedRedis
 from cluster.state import RedisStore, redact
 from router.edge.http import OpenAIFront, start_http

@@ -14,16 +14,14 @@ scaled, drained, replaced and stopped here. This is the router's WorkerDirectory
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import re
 import time
-from dataclasses import dataclass
 
 import ray
 
+from cluster.actors import PoolSpec, create_actor, resources_free
 from router.fleet.directory import Listener, PoolEvent, PoolRefusal, WorkerRef
-from workers.engine.config import EngineConfig
 from workers.messages import Pool, PoolStatus, Status, TokenLog, WorkerInfo
 from workers.metrics import PoolEvents
 
@@ -32,18 +30,6 @@ NAMESPACE = "tandem"
 POOLS_KEY = "pools"  # in the store: {"targets": {pool: n}, "restarts": {pool: n}}
 _NAME = re.compile(r"^(prefill|decode)-(\d+)$")
 _RETRY_SPAWN_S = 5.0
-
-
-@dataclass(frozen=True)
-class PoolSpec:
-    """How each worker of one pool is made."""
-
-    replicas: int
-    engine: EngineConfig
-    cpus: float = 1.0
-    gpus: float = 0.0
-    resources: tuple[tuple[str, float], ...] = ()  # custom Ray resources per worker
-    max_replicas: int = 64  # the most workers the pool may have
 
 
 class PoolManager:
@@ -64,9 +50,12 @@ class PoolManager:
         self.specs = specs
         self.pending_ok = pending_ok
         self.store = store  # where targets and restarts are shared (cluster.state.RedisStore)
-        self.token_log = token_log
-        self.transfer_host = transfer_host
-        self.transfer_timeout_s = transfer_timeout_s
+        # What every worker is made with, beside its name and engine.
+        self.worker_args = {
+            "token_log": token_log,
+            "transfer_host": transfer_host,
+            "transfer_timeout_s": transfer_timeout_s,
+        }
         self.start_timeout_s = start_timeout_s
         self.namespace = namespace
         self.workers: dict[Pool, dict[str, WorkerRef]] = {p: {} for p in Pool}
@@ -164,7 +153,8 @@ class PoolManager:
         spec = self.specs[pool]
         self._starting[pool] += 1
         try:
-            if not await self._check_resources(spec, wait_s=0.0 if self.pending_ok else 5.0):
+            wait_s = 0.0 if self.pending_ok else 5.0
+            if not await resources_free(spec, self.pending_ok, wait_s):
                 log.warning(
                     "a new %s worker waits for Ray to offer its resources (up to %.0f s)",
                     pool.value,
@@ -173,7 +163,7 @@ class PoolManager:
             for _ in range(8):  # a name still held by a dead actor: take the next
                 name = self._new_name(pool)
                 try:
-                    actor = self._create(pool, name, spec)
+                    actor = create_actor(pool, name, spec, self.namespace, **self.worker_args)
                     break
                 except ValueError as e:
                     if "already" not in str(e):
@@ -193,56 +183,6 @@ class PoolManager:
         log.info("started %s (pid %d on %s)", name, info.pid, info.node)
         self._notify(PoolEvent.ADDED, ref)
         return ref
-
-    def _create(self, pool: Pool, name: str, spec: PoolSpec):
-        from workers.decode import DecodeWorker
-        from workers.prefill import PrefillWorker
-
-        kwargs = {
-            "name": name,
-            "engine_config": spec.engine,
-            "transfer_host": self.transfer_host,
-            "transfer_timeout_s": self.transfer_timeout_s,
-        }
-        if pool is Pool.DECODE:
-            kwargs["token_log"] = self.token_log
-        cls = PrefillWorker if pool is Pool.PREFILL else DecodeWorker
-        return (
-            ray.remote(concurrency_groups={STATUS: 2, LOOP: 8})(actor_class(cls))
-            .options(
-                name=name,
-                namespace=self.namespace,
-                lifetime="detached",
-                num_cpus=spec.cpus,
-                num_gpus=spec.gpus,
-                resources=dict(spec.resources) or None,
-                max_concurrency=64,
-                max_restarts=0,
-            )
-            .remote(**kwargs)
-        )
-
-    async def _check_resources(self, spec: PoolSpec, wait_s: float = 5.0) -> bool:
-        """True once the Ray cluster has the resources a worker needs free. Past `wait_s`
-        (a worker just stopped frees its resources a moment later): False when workers may
-        wait for resources (pending_ok), else a ValueError naming the shortfall."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            free = ray.available_resources()
-            needs = [("CPU", spec.cpus), ("GPU", spec.gpus), *spec.resources]
-            short = [(k, n) for k, n in needs if n > 0 and free.get(k, 0.0) + 1e-9 < n]
-            if not short:
-                return True
-            if time.monotonic() > deadline:
-                if self.pending_ok:
-                    return False
-                key, need = short[0]
-                raise ValueError(
-                    f"not enough {key} in the Ray cluster for another worker: it needs "
-                    f"{need:g}, {free.get(key, 0.0):g} is free; add nodes or lower the "
-                    "pool's cpus/gpus/resources"
-                )
-            await asyncio.sleep(0.2)
 
     # -- keeping pools at their size --------------------------------------------------------
     async def heal(self) -> None:
@@ -510,23 +450,3 @@ class PoolManager:
         for pool in Pool:
             for name in list(self.workers[pool]):
                 await self.remove(name)
-
-
-STATUS, LOOP = "status", "loop"  # the concurrency groups of WorkerBase.STATUS_CALLS, LOOP_CALLS
-
-
-def actor_class(cls: type) -> type:
-    """The worker class as its actor runs it: its status calls, and its calls that wait for
-    the engine loop, each in a concurrency group of their own, on threads that its long calls
-    (up to max_concurrency of them) cannot hold."""
-
-    def grouped(fn, group: str):
-        @functools.wraps(fn)
-        def call(self, *args, **kwargs):
-            return fn(self, *args, **kwargs)
-
-        return ray.method(concurrency_group=group)(call)
-
-    methods = {name: grouped(getattr(cls, name), STATUS) for name in cls.STATUS_CALLS}
-    methods |= {name: grouped(getattr(cls, name), LOOP) for name in cls.LOOP_CALLS}
-    return type(cls.__name__, (cls,), {**methods, "__qualname__": cls.__qualname__})

@@ -34,6 +34,16 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from cluster.state_scripts import (
+    APPEND_SCRIPT,
+    BEGIN_SCRIPT,
+    CLAIM_SCRIPT,
+    CREATE_SCRIPT,
+    LEASE_SCRIPT,
+    RAISE_SCRIPT,
+    TENANTS_SCRIPT,
+    VOID_SCRIPT,
+)
 from router.records.store import BeginResult, RecordState, RequestRecord
 from workers.engine.request import FinishReason
 from workers.messages import (
@@ -49,126 +59,6 @@ PREFIX = "tandem:"
 ACTIVE = PREFIX + "active"
 TENANTS = PREFIX + "tenants"  # the run-time changes of the tenants' policies
 TERMINAL = tuple(s.value for s in RecordState if s.terminal)
-
-# KEYS: hash, tokens, active, failures. ARGV: attempt, offset, ttl, final state ('' = none),
-# finish_reason, error, request id, now, status, n, n failure causes, then the token ids.
-# Returns {result, log length}.
-_APPEND = """
-local raw = redis.call('HGET', KEYS[1], 'attempt')
-if not raw then return {'missing', 0} end
-local a, mine = tonumber(raw), tonumber(ARGV[1])
-if a > mine then return {'fenced', 0} end
-if a < mine then redis.call('HSET', KEYS[1], 'attempt', ARGV[1]) end
-local n = redis.call('LLEN', KEYS[2])
-local off = tonumber(ARGV[2])
-if off > n then return {'gap', n} end
-local nf = tonumber(ARGV[10])
-local i = 11 + nf + (n - off)
-while i <= #ARGV do
-  local j = math.min(i + 999, #ARGV)
-  redis.call('RPUSH', KEYS[2], unpack(ARGV, i, j))
-  i = j + 1
-end
-n = redis.call('LLEN', KEYS[2])
-if ARGV[4] ~= '' then
-  local cur = redis.call('HGET', KEYS[1], 'state')
-  if cur ~= 'FINISHED' and cur ~= 'FAILED' and cur ~= 'CANCELLED' then
-    redis.call('HSET', KEYS[1], 'state', ARGV[4], 'finish_reason', ARGV[5], 'error', ARGV[6],
-               'updated', ARGV[8], 'status', ARGV[9])
-  end
-  if nf > 0 then
-    redis.call('DEL', KEYS[4])
-    redis.call('RPUSH', KEYS[4], unpack(ARGV, 11, 10 + nf))
-  end
-  redis.call('EXPIRE', KEYS[1], ARGV[3])
-  redis.call('EXPIRE', KEYS[2], ARGV[3])
-  redis.call('EXPIRE', KEYS[4], ARGV[3])
-  redis.call('SREM', KEYS[3], ARGV[7])
-end
-return {'ok', n}
-"""
-
-# KEYS: hash, failures. ARGV: attempt, owner, prefill, decode, failure, now.
-_BEGIN = """
-local st = redis.call('HGET', KEYS[1], 'state')
-if not st then return 'missing' end
-if st == 'FINISHED' or st == 'FAILED' or st == 'CANCELLED' then return 'ended' end
-local owner = redis.call('HGET', KEYS[1], 'owner')
-if owner and owner ~= '' and owner ~= ARGV[2] then return 'not_owner' end
-if tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0') > tonumber(ARGV[1]) then
-  return 'stale'
-end
-redis.call('HSET', KEYS[1], 'attempt', ARGV[1], 'owner', ARGV[2], 'prefill', ARGV[3],
-           'decode', ARGV[4], 'state', 'RUNNING', 'updated', ARGV[6])
-if ARGV[5] ~= '' then redis.call('RPUSH', KEYS[2], ARGV[5]) end
-return 'ok'
-"""
-
-# KEYS: hash, active. ARGV: request id, then field/value pairs. Creates only if absent.
-_CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 2, #ARGV))
-local st = redis.call('HGET', KEYS[1], 'state')
-if st ~= 'FINISHED' and st ~= 'FAILED' and st ~= 'CANCELLED' then
-  redis.call('SADD', KEYS[2], ARGV[1])
-end
-return 1
-"""
-
-# KEYS: hash, active set. ARGV: request id, create nonce, status, error, now, ttl.
-# A create the router gave up on may land later: end it if it did (that very create, by its
-# nonce, not a later one under the same id), and nothing has begun on it.
-_VOID = """
-if redis.call('HGET', KEYS[1], 'state') ~= 'QUEUED' then return 0 end
-if redis.call('HGET', KEYS[1], 'nonce') ~= ARGV[2] then return 0 end
-if redis.call('HGET', KEYS[1], 'attempt') ~= '0' then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'FAILED', 'status', ARGV[3], 'error', ARGV[4],
-           'updated', ARGV[5])
-redis.call('EXPIRE', KEYS[1], ARGV[6])
-redis.call('SREM', KEYS[2], ARGV[1])
-return 1
-"""
-
-# KEYS: hash. ARGV: old owner, new owner.
-_CLAIM = """
-local st = redis.call('HGET', KEYS[1], 'state')
-if not st or st == 'FINISHED' or st == 'FAILED' or st == 'CANCELLED' then return 0 end
-if (redis.call('HGET', KEYS[1], 'owner') or '') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'owner', ARGV[2])
-return 1
-"""
-
-# KEYS: hash. ARGV: attempt. Raises the stored attempt to ARGV[1] if it is lower.
-_RAISE = """
-local a = redis.call('HGET', KEYS[1], 'attempt')
-if a and tonumber(a) < tonumber(ARGV[1]) then redis.call('HSET', KEYS[1], 'attempt', ARGV[1]) end
-return 1
-"""
-
-# KEYS: the tenants' overrides (a hash: tenant -> JSON of its fields), their version. ARGV:
-# the tenants to reset (JSON list), then the changes (JSON: tenant -> fields), merged field by
-# field into what is there. Returns the new version.
-_TENANTS = """
-for _, t in ipairs(cjson.decode(ARGV[1])) do redis.call('HDEL', KEYS[1], t) end
-for t, fields in pairs(cjson.decode(ARGV[2])) do
-  local old = redis.call('HGET', KEYS[1], t)
-  local merged = old and cjson.decode(old) or {}
-  for k, v in pairs(fields) do merged[k] = v end
-  redis.call('HSET', KEYS[1], t, cjson.encode(merged))
-end
-return redis.call('INCR', KEYS[2])
-"""
-
-# KEYS: lease. ARGV: holder, ttl ms.
-_LEASE = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
-end
-return 0
-"""
-
 
 _UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError)
 # A Redis that answers but takes no writes for now (out of memory, its disk full or failing
@@ -283,7 +173,7 @@ def _record(request_id: str, h: dict, failures: list[str]) -> RequestRecord:
 
 
 def _append_args(w: LogWrite, ttl_s: int, end: RequestRecord | None = None):
-    """The _APPEND script's keys and arguments: a token write, and with `end`, the end."""
+    """APPEND_SCRIPT's keys and arguments: a token write, and with `end`, the end."""
     rid = w.request_id
     keys = [key(rid), key(rid) + ":tokens", ACTIVE, key(rid) + ":failures"]
     if end is None:
@@ -324,14 +214,14 @@ class RedisStore:
             health_check_interval=_HEALTH_CHECK_S,
             retry=AsyncRetry(NoBackoff(), 1),
         )
-        self._append = self.r.register_script(_APPEND)
-        self._begin = self.r.register_script(_BEGIN)
-        self._create = self.r.register_script(_CREATE)
-        self._claim = self.r.register_script(_CLAIM)
-        self._lease = self.r.register_script(_LEASE)
-        self._tenants = self.r.register_script(_TENANTS)
-        self._raise = self.r.register_script(_RAISE)
-        self._void = self.r.register_script(_VOID)
+        self._append = self.r.register_script(APPEND_SCRIPT)
+        self._begin = self.r.register_script(BEGIN_SCRIPT)
+        self._create = self.r.register_script(CREATE_SCRIPT)
+        self._claim = self.r.register_script(CLAIM_SCRIPT)
+        self._lease = self.r.register_script(LEASE_SCRIPT)
+        self._tenants = self.r.register_script(TENANTS_SCRIPT)
+        self._raise = self.r.register_script(RAISE_SCRIPT)
+        self._void = self.r.register_script(VOID_SCRIPT)
 
     @property
     def where(self) -> str:
@@ -493,7 +383,7 @@ class RedisTokenLog:
                 health_check_interval=_HEALTH_CHECK_S,
                 retry=Retry(NoBackoff(), 1),
             )
-            self._script = self._r.register_script(_APPEND)
+            self._script = self._r.register_script(APPEND_SCRIPT)
         return self._r
 
     def write(self, writes: list[LogWrite]) -> list[LogAck]:

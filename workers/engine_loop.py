@@ -24,7 +24,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from workers.engine.engine import EngineStats, LLMEngine, RequestOutput
+from workers.engine.engine import LLMEngine
+from workers.engine.outputs import EngineStats, RequestOutput
 
 log = logging.getLogger(__name__)
 

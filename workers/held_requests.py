@@ -17,7 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kv_transfer.streams import StreamOps
-from workers.engine.engine import LLMEngine, RequestOutput
+from workers.engine.engine import LLMEngine
+from workers.engine.outputs import RequestOutput
 from workers.engine.request import FinishReason, choice_id, split_choice
 from workers.engine.scheduler_output import SampledToken
 from workers.messages import (

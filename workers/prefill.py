@@ -26,8 +26,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from kv_transfer.protocol import TransferDescriptor
-from workers.engine.engine import RequestOutput
 from workers.engine.grammar import GrammarError
+from workers.engine.outputs import RequestOutput
 from workers.engine.request import FinishReason
 from workers.kv_sender import KVSender, LayerProgress, NoFirstToken, Push, Unsent
 from workers.messages import (

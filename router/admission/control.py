@@ -1,16 +1,17 @@
 """Admission control: what stands between a valid request and its generation slots.
 
     the tenant's quota (refused past it, with when to retry) -> its output length predicted,
-    its SLOs settled (its own, else its tier's) -> a Ticket in the FairQueue (router/admission/fair.py)
-    -> slots -> its tokens counted against the tenant's share and quota as they stream ->
-    at its end, the predictor learns the length it had
+    its SLOs settled (its own, else its tier's) -> a Ticket in the FairQueue (fair.py) ->
+    slots -> its tokens counted against the tenant's share and quota as they stream -> at
+    its end, the predictor learns the length it had
 
-`AdmissionControl` owns the tenants (router/admission/tenants.py), the predictor (router/admission/predictor.py)
-and the slots. The Router calls it for each request; the Admin call `Tenants` and `tandem
-status` read it. The tenants' run-time changes go through the store, when there is one: the
-router that takes the change writes it there, and every router reads it back at its next
-controller round (router/controller.py), so a change holds at every router, and across their
-restarts, until it is reset. Used from the router's event loop alone.
+`AdmissionControl` owns the tenants (router/admission/tenants.py), the predictor
+(router/admission/predictor.py) and the slots. The Router calls it for each request; the
+Admin call `Tenants` and `tandem status` read it. The tenants' run-time changes go through
+the store, when there is one: the router that takes the change writes it there, and every
+router reads it back at its next controller round (router/controller.py), so a change holds
+at every router, and across their restarts, until it is reset. Used from the router's event
+loop alone.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A request's tenant comes from its API key (router/edge/keys.py), never from the request. Each
 tenant has a policy (`Tenant`):
 
-- `weight`: its share of the cluster while several tenants wait (fair share, router/admission/fair.py);
+- `weight`: its share of the cluster while several tenants wait (fair share, fair.py);
 - `max_concurrency`: sequences it may run at once (0: no cap); past it, its requests queue;
 - `tokens_per_minute`: its rate quota, prompt and output tokens counted (0: none); past it,
   RESOURCE_EXHAUSTED with the time to retry;

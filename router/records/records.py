@@ -114,7 +114,7 @@ class Records:
         while self._ended and now - self._ended[0].at > _KEEP_ENDED_S:
             self._ended.popleft()
 
-    # -- what a request's driver writes and reads (router/requests/driving.py's RequestLog) ----------
+    # -- what a request's driver writes and reads (the RequestLog of driving.py) --------------
     def begin_attempt(
         self, rid: str, attempt: int, owner: str, prefill: str, decode: str, cause: str
     ) -> None:

@@ -1,13 +1,15 @@
 """The router's request path, independent of gRPC and HTTP:
 
-    admit (queue bound, the tenant's quota) -> wait for slots in fair order (router/admission/fair.py)
-    -> record QUEUED in the store -> a RequestDriver runs the attempts (router/requests/driver.py)
-    -> its stream's chunks go to the caller -> final state in the store
+    admit (queue bound, the tenant's quota) -> wait for slots in fair order
+    (router/admission/fair.py) -> record QUEUED in the store -> a RequestDriver runs the
+    attempts (router/requests/driver.py) -> its stream's chunks go to the caller -> final
+    state in the store
 
 The Router owns the table of requests it drives and runs each through admission control
-(router/admission/control.py: tenants, quotas, predictions, fair order); the workers are the Fleet's
-(router/fleet/fleet.py), the store's records the Records' (router/records/records.py). Drivers see neither
-the Router nor those classes, only the narrow interfaces of router/requests/driving.py.
+(router/admission/control.py: tenants, quotas, predictions, fair order); the workers are the
+Fleet's (router/fleet/fleet.py), the store's records the Records' (router/records/
+records.py). Drivers see neither the Router nor those classes, only the narrow interfaces of
+router/requests/driving.py.
 
 Cancellation, a client that goes away, or a deadline all end in the same place: the driver
 is cancelled, the request is cancelled on its workers and its blocks are freed at once.

@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
+from cluster.actors import PoolSpec
 from cluster.config import AutoscaleConfig, ClusterConfig, PoolConfig
-from cluster.pools import POOLS_KEY, PoolManager, PoolSpec
+from cluster.pools import POOLS_KEY, PoolManager
 from router.fleet.directory import PoolRefusal, WorkerRef
 from workers.engine.config import EngineConfig
 from workers.messages import Pool, Status, WorkerInfo

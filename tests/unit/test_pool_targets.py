@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from cluster.pools import PoolManager, PoolSpec
+from cluster.actors import PoolSpec
+from cluster.pools import PoolManager
 from router.fleet.directory import WorkerRef
 from workers.engine.config import EngineConfig
 from workers.messages import Pool
@@ -95,7 +96,7 @@ def test_workers_control_calls_exist_and_run_in_their_own_concurrency_groups():
     its long calls cannot all hold, each kind on its own (a cancel waiting for a step never
     stands in front of a status call): the names must be the worker's methods, and its actor
     class must mark each."""
-    from cluster.pools import LOOP, STATUS, actor_class
+    from cluster.actors import LOOP, STATUS, actor_class
     from workers.decode import DecodeWorker
     from workers.prefill import PrefillWorker
 

@@ -240,6 +240,13 @@ class EngineConfig:
             block_size=self.block_size or block_size,
         )
 
+    def kv_blocks(self, num_layers: int, kv_size: int) -> int:
+        """The KV blocks that kv_cache_gb holds for a model of this many layers and K (or
+        V) width per token; the dtype resolved."""
+        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        per_block = 2 * num_layers * self.block_size * kv_size * itemsize
+        return max(1, int(self.kv_cache_gb * 2**30) // per_block)
+
     def context_len(self, model_max: int) -> int:
         """The longest sequence (prompt and output) an engine of this config takes, for a
         model whose own context is `model_max`: max_model_len caps it, never raises it."""

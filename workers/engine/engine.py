@@ -23,7 +23,6 @@ import logging
 import random
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +33,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import GraphCapture
 from workers.engine.grammar import GrammarCompiler, GrammarMasks
 from workers.engine.model_runner import GraphSettings, ModelRunner
+from workers.engine.outputs import EngineStats, RequestOutput
 from workers.engine.request import (
     NO_TENANCY,
     ErrorKind,
@@ -55,47 +55,6 @@ from workers.model.loader import build_model, resolve_model
 from workers.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool = False
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    new_logprobs: list[float] | None = None  # only for requests that asked for logprobs
-    # Set only for requests with stop strings: their text so far, cut at any stop string.
-    text: str | None = None
-    # keep_kv requests that ended naturally: the blocks now held for them (see release_kv).
-    kv_blocks: list[int] | None = None
-    # Only for requests that asked for top_logprobs: per new token, (token id, logprob) pairs.
-    new_top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
-    index: int = 0  # which of the request's n choices (request_id is the request's own)
-    error_kind: ErrorKind | None = None  # with FinishReason.ERROR: why, for a status
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    kv_blocks_total: int
-    kv_blocks_free: int
-    kv_blocks_reservable: int  # the most one request can hold: the total less the watermark
-    running: int
-    waiting: int
-    reserved: int
-    preemptions: int
-    prefix_hit_blocks: int
-    prefix_query_blocks: int = 0  # full prompt blocks looked up in the prefix cache
-    prefill_tokens: int = 0  # lifetime: tokens computed in prompt chunks
-    decode_tokens: int = 0  # lifetime: tokens computed one per sequence per step
-    # Constrained decoding, lifetime: sequences given a matcher, steps that built masks and
-    # their seconds, constraints compiled (seconds) and found compiled.
-    constrained_seqs: int = 0
-    grammar_mask_steps: int = 0
-    grammar_mask_seconds: float = 0.0
-    grammar_compiles: int = 0
-    grammar_compile_seconds: float = 0.0
-    grammar_cache_hits: int = 0
 
 
 def _stops_armed(req: Request) -> bool:
@@ -128,7 +87,9 @@ class LLMEngine:
             model = build_model(self.source, getattr(torch, config.dtype), device)
         self.model_config = model.cfg
         self.max_model_len = config.context_len(model.cfg.max_position_embeddings)
-        num_blocks = config.num_kv_blocks or self._blocks_for_memory(model)
+        num_blocks = config.num_kv_blocks or config.kv_blocks(
+            model.cfg.num_layers, model.cfg.kv_size
+        )
         graphs = None
         if make_graph is not None or (device.type == "cuda" and config.cuda_graphs):
             graphs = GraphSettings(config.max_num_seqs, self.max_model_len, make_graph)
@@ -535,9 +496,3 @@ class LLMEngine:
             RequestOutput(rid, [], True, FinishReason.ERROR, message, index=i, error_kind=kind)
             for i in indices
         ]
-
-    def _blocks_for_memory(self, model) -> int:
-        cfg = model.cfg
-        itemsize = torch.empty((), dtype=getattr(torch, self.config.dtype)).element_size()
-        per_block = 2 * cfg.num_layers * self.config.block_size * cfg.kv_size * itemsize
-        return max(1, int(self.config.kv_cache_gb * 2**30) // per_block)
