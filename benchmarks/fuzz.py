@@ -241,7 +241,7 @@ def largest_requests(max_model_len: int) -> tuple[bytes, bytes]:
     """The costliest request each front reads in full: prompt text at the bytes limit, and
     every list at its limit (gRPC message bytes, HTTP body bytes). Refused, once tokenized,
     as longer than the context."""
-    from router import validation as v
+    from router.edge import validation as v
 
     text = ("The quick brown fox. " * (v.prompt_bytes_limit(max_model_len) // 21 + 1))[
         : v.prompt_bytes_limit(max_model_len)

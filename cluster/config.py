@@ -191,7 +191,7 @@ class ClusterConfig:
             return ValueError(f"config field {name}: {why}")
 
         if self.mode not in tuple(Mode):
-            raise bad("mode", f"{self.mode!r}: choose {', '.join(Mode)}")
+            raise bad("mode", f"{self.mode!r}: choose {' or '.join(Mode)}")
         object.__setattr__(self, "mode", Mode(self.mode))  # a name given in code, as a Mode
         if self.mode is Mode.DISAGGREGATED and self.prefill.replicas < 1:
             raise bad("prefill.replicas", "a disaggregated cluster needs a prefill worker")

@@ -83,14 +83,15 @@ class LayerProgress:
             return self._events[layer] if layer < len(self._events) else None
 
 
-class Unsent(enum.StrEnum):
-    """Why a push's trailer carries no first tokens: the transfer is aborted."""
+class Unsent(enum.Enum):
+    """Why a push's trailer carries no first tokens (the transfer is then aborted); each
+    value is the message sent, `{}` standing for its detail."""
 
     NO_FIRST_TOKEN = "the prefill step ended without its first token"
     CANCELLED = "cancelled"
     SUPERSEDED = "superseded by a newer attempt"
-    FAILED = "the prefill failed"
-    TIMED_OUT = "no first token within the transfer timeout of the last layer"
+    FAILED = "the prefill failed: {}"  # the engine's error
+    TIMED_OUT = "no first token within {} of the last layer"  # the transfer timeout
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class NoFirstToken:
     detail: str = ""
 
     def __str__(self) -> str:
-        return f"{self.why}: {self.detail}" if self.detail else str(self.why)
+        return self.why.value.format(self.detail)
 
 
 @dataclass
@@ -215,7 +216,7 @@ class KVSender:
 
         rid, handle = push.request_id, self.target.handle
         if push.cancelled:
-            return PushResult(rid, False, error=str(Unsent.CANCELLED))
+            return PushResult(rid, False, error=str(NoFirstToken(Unsent.CANCELLED)))
         try:
             self._ensure_group()
             ref = handle.receive_kv.remote(self.source, self.generation, push.spec)

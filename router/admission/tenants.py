@@ -12,12 +12,11 @@ tenant has a policy (`Tenant`):
   every request that has not waited that long (None: `router.admission_max_wait_s`).
 
 `TenantsConfig` (router/tenant_policy.py) is the config tree's form. `TenantTable` is the
-running form: that config with the
-changes made at run time by the Admin call `Tenants` (`tandem tenants`) on top, its
-`overrides` ({tenant: {field: value}}, a value None unsetting the field). Routers sharing a
-store share their overrides through it (router/admission/control.py), so a change made at one router
-holds at every router, and across their restarts, until it is reset. Used from the router's
-event loop alone.
+running form: that config with the changes made at run time by the Admin call `Tenants`
+(`tandem tenants`) on top, its `overrides` ({tenant: {field: value}}, a value None unsetting
+the field). Routers sharing a store share their overrides through it (control.py), so a change
+made at one router holds at every router, and across their restarts, until it is reset. Used
+from the router's event loop alone.
 """
 
 from __future__ import annotations

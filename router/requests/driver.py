@@ -118,7 +118,10 @@ class RequestDriver:
             self.task.cancel()
 
     def record(
-        self, state: RecordState = RecordState.RUNNING, reason: str = "", error: str = ""
+        self,
+        state: RecordState = RecordState.RUNNING,
+        reason: FinishReason | None = None,
+        error: str = "",
     ) -> RequestRecord:
         """The request's record as it stands (with a terminal state: as it ends)."""
         status = self.stream.chunks[-1].status if self.stream.finished else Status.OK

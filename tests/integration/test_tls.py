@@ -106,7 +106,7 @@ def test_the_http_front_serves_tls_and_asks_for_the_client_certificate(cluster, 
 
 def test_without_a_client_ca_a_client_trusting_the_ca_is_served(cluster, pki):
     """The same credentials on a server that asks no client certificate (the router's own
-    code: ServerTLS, router.tls.channel)."""
+    code: ServerTLS, router.edge.tls.channel)."""
     cert, key = (pki / "router.pem").read_bytes(), (pki / "router.key").read_bytes()
 
     async def go():

@@ -22,6 +22,7 @@ import enum
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 from workers.engine.fairness import cost
@@ -52,12 +53,25 @@ class Work(Protocol):
         """When its first token is due; None: no deadline."""
 
 
+@dataclass(frozen=True)
+class OrderOptions:
+    """What a side sets for the order it serves (each order reads what it needs)."""
+
+    aging_per_s: float = 0.0  # priority: what a request gains each second it waits
+    starve_after_s: float | None = None  # shortest-first: past this wait, first of all
+    first_token_s: Callable[[float], float] | None = None  # slack: prompt tokens -> seconds
+
+
 class Order(ABC):
     name: ClassVar[str]
     sides: ClassVar[frozenset[Side]]
     # Whether a waiting request may be admitted ahead of a running one with a larger key.
     # FCFS and priority keep running requests first, as vLLM does.
     admits_ahead: ClassVar[bool] = False
+
+    @classmethod
+    def of(cls, options: OrderOptions) -> Order:
+        return cls()
 
     @abstractmethod
     def key(self, w: Work, now: float) -> tuple:
@@ -95,6 +109,10 @@ class Priority(Order):
     def __init__(self, aging_per_s: float = 0.0) -> None:
         self.aging_per_s = aging_per_s
 
+    @classmethod
+    def of(cls, options: OrderOptions) -> Order:
+        return cls(options.aging_per_s)
+
     def key(self, w: Work, now: float) -> tuple:
         return (w.priority - self.aging_per_s * (now - w.arrival),)
 
@@ -111,6 +129,10 @@ class ShortestFirst(Order):
 
     def __init__(self, starve_after_s: float | None = None) -> None:
         self.starve_after_s = starve_after_s
+
+    @classmethod
+    def of(cls, options: OrderOptions) -> Order:
+        return cls(options.starve_after_s)
 
     def key(self, w: Work, now: float) -> tuple:
         if self.starve_after_s is not None and now - w.arrival >= self.starve_after_s:
@@ -144,6 +166,11 @@ class Slack(Order):
     def __init__(self, first_token_s: Callable[[float], float]) -> None:
         self.first_token_s = first_token_s
 
+    @classmethod
+    def of(cls, options: OrderOptions) -> Order:
+        assert options.first_token_s is not None, "slack orders by a time to a first token"
+        return cls(options.first_token_s)
+
     def key(self, w: Work, now: float) -> tuple:
         if w.deadline is None:
             return (math.inf,)
@@ -162,12 +189,4 @@ def make_order(
     names = order_names(side)
     if name not in names:
         raise ValueError(f"policy {name!r} is unknown (choose from {', '.join(names)})")
-    cls = ORDERS[name]
-    if cls is Priority:
-        return Priority(aging_per_s)
-    if issubclass(cls, ShortestFirst):
-        return cls(starve_after_s)
-    if cls is Slack:
-        assert first_token_s is not None, "slack orders by a predicted time to a first token"
-        return Slack(first_token_s)
-    return cls()
+    return ORDERS[name].of(OrderOptions(aging_per_s, starve_after_s, first_token_s))

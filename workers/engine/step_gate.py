@@ -30,6 +30,10 @@ from workers.engine.scheduler_output import SchedulerOutput
 
 
 class StepGate:
+    """One step's limits, spent as the step is built: the running decodes' budget, the
+    prompt tokens pacing allows, the decodes without a target pacing lets run, and whose
+    decodes yield. Made by `Gatekeeper.open`; nothing of it outlives the step."""
+
     def __init__(
         self,
         keeper: Gatekeeper,
@@ -53,12 +57,11 @@ class StepGate:
 
     def holds_back(self, req: Request) -> bool:
         """Whether `req`'s decode waits this step (its budget then goes to others)."""
-        held = self.keeper.held_back
         if self._waits(req):
-            held.setdefault(req.request_id, self.keeper.clock())
+            self.keeper.held(req.request_id)
             self.decodes_due = max(0, self.decodes_due - 1)
             return True
-        held.pop(req.request_id, None)  # it runs: a later wait counts afresh
+        self.keeper.forget(req.request_id)  # it runs: a later wait counts afresh
         return False
 
     def _waits(self, req: Request) -> bool:
@@ -68,8 +71,7 @@ class StepGate:
         capped = self.decode_cap is not None and not self.keeper.pacer.target_of(req)
         if not (yields or capped):
             return False
-        since = self.keeper.held_back.get(req.request_id)
-        overdue = since is not None and self.keeper.clock() - since >= MAX_DECODE_PAUSE_S
+        overdue = self.keeper.held_for(req.request_id) >= MAX_DECODE_PAUSE_S
         if overdue or (not yields and self.decode_cap > 0):
             if capped:
                 self.decode_cap = max(0, self.decode_cap - 1)
@@ -109,6 +111,9 @@ class StepGate:
 
 
 class Gatekeeper:
+    """What the steps' gates share across steps, and the maker of each step's gate. Called
+    by the scheduler alone (the engine's loop thread)."""
+
     def __init__(
         self,
         config: SchedulerConfig,
@@ -122,7 +127,7 @@ class Gatekeeper:
         # own tpot_slo_ms (its tenancy); with neither, it limits nothing.
         target = config.target_tpot_ms / 1000 if config.target_tpot_ms else None
         self.pacer = DecodePacer(target, block_size) if config.enable_chunked_prefill else None
-        self.held_back: dict[str, float] = {}  # decodes held back, since when
+        self._held_back: dict[str, float] = {}  # decodes held back, since when
         self._yielded_for: str | None = None  # the last request others' decodes waited for
         self._last: tuple[SchedulerOutput, float] | None = None  # the last step, when it began
 
@@ -152,8 +157,18 @@ class Gatekeeper:
         if self.pacer is not None and out.scheduled:
             self._last = (out, gate.now)
 
+    def held(self, request_id: str) -> None:
+        """Its decode is held back this step: since now, unless it already was."""
+        self._held_back.setdefault(request_id, self.clock())
+
+    def held_for(self, request_id: str) -> float:
+        """Seconds its decode has been held back since it last ran (0: it is not)."""
+        since = self._held_back.get(request_id)
+        return 0.0 if since is None else self.clock() - since
+
     def forget(self, request_id: str) -> None:
-        self.held_back.pop(request_id, None)
+        """It ran, or it ended: a later hold counts afresh."""
+        self._held_back.pop(request_id, None)
 
     def idle(self) -> None:
         """Nothing is left to run: the next step's start times nothing."""
