@@ -13,12 +13,16 @@ NCCL, made to fail like gloo does, in the caller and never by killing the proces
   handshake that fails late takes up to about three timeouts); init is
   non-blocking (`config.blocking = 0`), so a rank whose peer never arrives gives up at
   TORCH_NCCL_NONBLOCKING_TIMEOUT instead of waiting inside NCCL for ever;
-- blocking wait: a wait holds the calling thread until its operation completes or its
-  timeout passes, then aborts the communicator and raises there. Under blocking wait torch
-  turns asynchronous error handling off, so its watchdog only marks a late operation failed
-  and never tears the process down; error handling 2 (abort the communicator, keep the
-  process), with the heartbeat monitor and the dump-then-exit path off, stands behind it
-  should blocking wait ever be switched off;
+- a wait polls its operation's completion (a CUDA event query, never a block) against its
+  deadline, timeout_s from when it is waited for, and raises at the deadline. It never
+  aborts inline: torch's own timed wait notices the timeout in time, then aborts the
+  communicator in the caller, and ncclCommAbort waits for the streams, which a long kernel
+  ahead of the operation may hold for seconds (NVIDIA/nccl#829: a 2 s wait raised at 10 s).
+  The abort runs on the reaper, a thread of its own (`Reaper`), never on the engine loop or
+  an RPC thread; a quarantine (`settle`) waits for it before the buffers may be reused.
+  Blocking wait stays on, so that torch's watchdog only marks a late operation failed and
+  never tears the process down; error handling 2 (abort the communicator, keep the
+  process), with the heartbeat monitor and the dump-then-exit path off, stands behind it;
 - NCCL counts an operation's timeout from when it was posted, gloo from when it is waited
   for. A receiver posts every layer as soon as the header is in, then waits for each as the
   sender's model computes it, so each wait here is given the time since its post on top:
@@ -34,7 +38,9 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import queue
 import socket
+import threading
 import time
 
 import torch
@@ -63,6 +69,57 @@ def nccl_environment(timeout_s: float) -> dict[str, str]:
 
 
 TRANSFER_LIMIT_S = 3600.0  # no transfer, prefill of its prompt included, takes longer
+# A wait polls its operation this often at first, backing off to the most: a layer lands in
+# well under a millisecond on NVLink, and an idle wait must cost the host next to nothing.
+POLL_FIRST_S, POLL_MOST_S = 20e-6, 2e-3
+
+
+def completed_by(work, deadline: float, clock=None, sleep=None) -> bool:
+    """Whether `work` completes by `deadline` (on `clock`, time.monotonic by default),
+    polling `is_completed()`, which never blocks; False the moment the deadline passes."""
+    clock = clock or time.monotonic
+    pause = POLL_FIRST_S
+    while not work.is_completed():
+        left = deadline - clock()
+        if left <= 0:
+            return False
+        (sleep or time.sleep)(min(pause, left))
+        pause = min(2 * pause, POLL_MOST_S)
+    return True
+
+
+class Reaper:
+    """Aborts process groups on a thread of its own, one after another: an abort may wait for
+    the device's streams (ncclCommAbort does), so nobody who must keep time makes one."""
+
+    def __init__(self, name: str = "kv-reaper") -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def abort(self, pg) -> threading.Event:
+        """Queue `pg`'s abort; the event is set once it has returned (or raised)."""
+        done = threading.Event()
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+        self._jobs.put((pg, done))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            pg, done = self._jobs.get()
+            try:
+                pg.abort()
+            except Exception:  # the group is being dropped either way
+                log.debug("abort of a pair group raised", exc_info=True)
+            finally:
+                done.set()
+
+
+REAPER = Reaper()
 
 
 def group_timeout(timeout_s: float) -> datetime.timedelta:
@@ -122,15 +179,24 @@ class PairGroup(KVChannel):
         device: torch.device,
         bind_host: str,
         timeout_s: float,
+        *,
+        group=None,
+        backend: str | None = None,
     ) -> None:
-        self.prefix, self.rank, self.device = prefix, rank, device
+        """Forms the pair through `store`; or, given a `group` formed elsewhere (see `over`),
+        takes it as it is."""
+        backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        self.prefix, self.rank, self.device, self.backend = prefix, rank, device, backend
         self.peer = 1 - rank
         self._closed = False
-        self.pg = None
+        self._aborted: threading.Event | None = None  # set once the reaper's abort returned
+        self.pg = group
         self._posted: dict[int, float] = {}  # NCCL: id(work) -> when it was posted
         self.streams = device_streams(device)
         self.streams.bind()
         self.stream = self.streams.new_stream()
+        if group is not None:
+            return
         timeout = datetime.timedelta(seconds=timeout_s)
         pstore = dist.PrefixStore(prefix, store)
         try:
@@ -148,6 +214,12 @@ class PairGroup(KVChannel):
                 f"pair group {prefix} did not form within {timeout_s:.0f} s: {e}"
             ) from e
 
+    @classmethod
+    def over(cls, pg, prefix: str, rank: int, device: torch.device, backend: str) -> PairGroup:
+        """A pair over a group formed elsewhere: gpu_check's one-rank NCCL group, whose
+        stalled operation goes through this class's own wait; tests' counting fakes."""
+        return cls(None, prefix, rank, device, "", 0.0, group=pg, backend=backend)
+
     def _connect(self, store: dist.Store, timeout_s: float) -> None:
         """NCCL's communicator, made now rather than by the first transfer: both ranks check
         in (a peer that never comes is a timeout here, not a hang in NCCL's init), then one
@@ -159,10 +231,6 @@ class PairGroup(KVChannel):
             op = self.pg.send if self.rank == 0 else self.pg.recv
             self.wait(op([probe], self.peer, 0), timeout_s)
 
-    @property
-    def backend(self) -> str:
-        return "nccl" if self.device.type == "cuda" else "gloo"
-
     def post_send(self, tensor):
         return self._post(lambda: self.pg.send([tensor], self.peer, 0), "send")
 
@@ -171,9 +239,16 @@ class PairGroup(KVChannel):
 
     def wait(self, handle, timeout_s):
         posted = self._posted.pop(id(handle), None)
-        if posted is not None:  # NCCL: its clock started at the post (see the module's doc)
-            timeout_s += time.monotonic() - posted
         try:
+            if self.backend == "nccl":
+                # Polled against its deadline, timeout_s from now (not from the post: see the
+                # module's doc); once complete, the wait below returns at once, or raises the
+                # operation's error. Its own timeout counts from the post: the time since then
+                # goes on top, as before polling.
+                if not completed_by(handle, time.monotonic() + timeout_s):
+                    raise TimeoutError(f"did not complete within {timeout_s:g} s")
+                if posted is not None:
+                    timeout_s += time.monotonic() - posted
             if not handle.wait(datetime.timedelta(seconds=timeout_s)):
                 raise TimeoutError("did not complete")
             if self._closed:  # closed meanwhile: an aborted operation may report success
@@ -187,7 +262,10 @@ class PairGroup(KVChannel):
         completes them. Each is waited for here: it lands, or its wait fails, and a failed
         wait (a timeout included) breaks the connection, after which nothing lands at all.
         NCCL's abort ends them; what the pair's stream still holds must run out too.
-        TransferError if it does not within timeout_s (the buffers may still be written)."""
+        TransferError if it does not within timeout_s (the buffers may still be written). A
+        closed pair's abort, on the reaper, must have returned first."""
+        if self._aborted is not None and not self._aborted.wait(timeout_s):
+            raise TransferError(f"pair {self.prefix}: its abort still runs {timeout_s:.0f} s on")
         self.streams.bind()
         with self.streams.using(self.stream):  # a wait orders the current stream after it
             for h in handles:
@@ -212,15 +290,15 @@ class PairGroup(KVChannel):
         return work
 
     def close(self):
+        """Never blocks: the abort (NCCL: it ends operations in flight; never shutdown(),
+        which waits for them) runs on the reaper. Receives already posted may still
+        complete: see settle."""
         if self._closed:
             return
         self._closed = True
-        try:
-            if self.pg is not None and hasattr(self.pg, "abort"):
-                self.pg.abort()  # NCCL: ends operations in flight; never shutdown(), which waits
-        except Exception:  # the group is being dropped either way
-            log.debug("abort of pair group %s raised", self.prefix, exc_info=True)
-        self.pg = None  # receives already posted may still complete: see settle
+        pg, self.pg = self.pg, None
+        if pg is not None and hasattr(pg, "abort"):
+            self._aborted = REAPER.abort(pg)
 
 
 def _nccl_group(store: dist.Store, rank: int, timeout_s: float):

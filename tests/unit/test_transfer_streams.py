@@ -197,6 +197,9 @@ class FakeWork:
         self.waits.append((timeout.total_seconds(), self.streams.on_stream()))
         return True
 
+    def is_completed(self) -> bool:
+        return True  # done by the time it is waited for: the wait's own timeout is shown
+
 
 class FakeGroup:
     def __init__(self, streams: RecordingStreams) -> None:
@@ -212,7 +215,8 @@ def bare_pair(device: str) -> PairGroup:
     """A PairGroup on `device` around a fake process group: its own bookkeeping alone."""
     g = PairGroup.__new__(PairGroup)
     g.prefix, g.rank, g.peer, g.device = "pair/t/1", 1, 0, torch.device(device)
-    g._closed, g._posted = False, {}
+    g.backend = "nccl" if device == "cuda" else "gloo"
+    g._closed, g._posted, g._aborted = False, {}, None
     g.streams = RecordingStreams([], "receiver")
     g.stream = g.streams.new_stream()
     g.pg = FakeGroup(g.streams)

@@ -1,0 +1,138 @@
+"""A pair group's waits keep their time (kv_transfer/torch_dist.py), shown without a GPU by
+counting fakes of NCCL's work and group: a wait on an operation that never completes raises at
+its deadline even while the communicator's abort blocks (as ncclCommAbort does behind a stalled
+kernel, NVIDIA/nccl#829); the abort runs on the reaper, never on the waiting thread; and a
+quarantine's `settle` returns, so its blocks go back, only once the abort has."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kv_transfer.protocol import TransferError
+from kv_transfer.torch_dist import PairGroup, completed_by
+
+
+class StalledWork:
+    """NCCL work queued behind a kernel that runs for ever: never completed; its blocking
+    wait would hold the caller (the test fails if anyone calls it before the abort)."""
+
+    def __init__(self, pg) -> None:
+        self.pg = pg
+        self.polls = 0
+
+    def is_completed(self) -> bool:
+        self.polls += 1
+        return False
+
+    def wait(self, timeout=None) -> bool:
+        if not self.pg.aborted.is_set():
+            raise AssertionError("a blocking wait on a stalled operation")
+        raise RuntimeError("the communicator was aborted")
+
+
+class DoneWork:
+    def __init__(self) -> None:
+        self.waited = 0
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout=None) -> bool:
+        self.waited += 1
+        return True
+
+
+class SlowAbortGroup:
+    """An NCCL group whose abort blocks for `abort_s` (waiting for the stalled stream)."""
+
+    def __init__(self, abort_s: float, work_cls=StalledWork) -> None:
+        self.abort_s = abort_s
+        self.work_cls = work_cls
+        self.abort_threads: list[str] = []
+        self.aborted = threading.Event()
+
+    def recv(self, tensors, peer, tag):
+        return self.work_cls(self) if self.work_cls is StalledWork else self.work_cls()
+
+    send = recv
+
+    def abort(self) -> None:
+        self.abort_threads.append(threading.current_thread().name)
+        time.sleep(self.abort_s)
+        self.aborted.set()
+
+
+def pair(pg) -> PairGroup:
+    return PairGroup.over(pg, "pair/p/1", 1, torch.device("cpu"), backend="nccl")
+
+
+def test_a_stalled_wait_raises_at_its_deadline_while_the_abort_runs_on_the_reaper():
+    pg = SlowAbortGroup(abort_s=3.0)
+    g = pair(pg)
+    work = g.post_recv(torch.zeros(4))
+    t0 = time.monotonic()
+    with pytest.raises(TransferError, match="did not complete within 0.5 s"):
+        g.wait(work, 0.5)
+    took = time.monotonic() - t0
+    assert 0.5 <= took < 0.9, took  # at the deadline, not when the abort returns (3 s)
+    assert work.polls > 1  # completion polled, never a blocking wait
+    assert not pg.aborted.is_set()  # the abort still runs, elsewhere
+    deadline = time.monotonic() + 2
+    while not pg.abort_threads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pg.abort_threads == ["kv-reaper"]
+    g.close()  # again: nothing more
+    assert g.pg is None
+
+
+def test_a_deadline_counts_from_the_wait_not_the_post():
+    """A receive posted while the sender's model still computes gets its whole timeout from
+    when it is waited for (NCCL's own clock would start at the post)."""
+    pg = SlowAbortGroup(abort_s=0.0)
+    g = pair(pg)
+    work = g.post_recv(torch.zeros(4))
+    time.sleep(0.4)  # posted 0.4 s before the wait
+    t0 = time.monotonic()
+    with pytest.raises(TransferError):
+        g.wait(work, 0.6)
+    assert 0.6 <= time.monotonic() - t0 < 0.9
+
+
+def test_the_quarantine_settles_only_after_the_abort_returned():
+    pg = SlowAbortGroup(abort_s=1.0)
+    g = pair(pg)
+    pending = g.post_recv(torch.zeros(4))
+    with pytest.raises(TransferError):
+        g.wait(g.post_recv(torch.zeros(4)), 0.1)
+    t0 = time.monotonic()
+    g.settle([pending], timeout_s=5.0)  # its receives can no longer write: blocks go back
+    assert pg.aborted.is_set() and time.monotonic() - t0 >= 0.5
+    # An abort that outlasts the quarantine's timeout keeps the blocks held.
+    stuck = pair(SlowAbortGroup(abort_s=3.0))
+    with pytest.raises(TransferError):
+        stuck.wait(stuck.post_recv(torch.zeros(4)), 0.1)
+    with pytest.raises(TransferError, match="abort still runs"):
+        stuck.settle([], timeout_s=0.5)
+
+
+def test_a_completed_operation_is_waited_on_once_and_nothing_is_aborted():
+    pg = SlowAbortGroup(abort_s=0.0, work_cls=DoneWork)
+    g = pair(pg)
+    work = g.post_send(torch.zeros(4))
+    g.wait(work, 5.0)
+    assert work.waited == 1 and pg.abort_threads == [] and g.pg is pg
+
+
+def test_completed_by_polls_until_the_deadline_and_never_past_it():
+    clock = [0.0]
+    slept = []
+
+    def sleep(s):
+        slept.append(s)
+        clock[0] += s
+
+    work = StalledWork(SlowAbortGroup(0.0))
+    assert not completed_by(work, 1.0, clock=lambda: clock[0], sleep=sleep)
+    assert clock[0] == pytest.approx(1.0) and max(slept) <= 2e-3 and slept[0] < 1e-4
