@@ -335,3 +335,34 @@ def test_request_that_outgrows_the_whole_cache_ends_with_an_error():
         )
     assert out.failed and out.failed[0][0].request_id == "big" and "3 KV blocks" in out.failed[0][1]
     assert not s.has_unfinished() and s.pool.num_free_blocks == 3
+
+
+def test_a_step_compares_no_requests_field_by_field(monkeypatch):
+    """With 256 running, two tenants trading seats and blocks running out (preemptions),
+    schedule() never calls Request.__eq__: a request is found by identity or by its status,
+    so a step costs O(B), not O(B^2) comparisons of whole dataclasses."""
+    from workers.engine.request import Request, RequestStatus, Tenancy
+
+    calls = []
+
+    def counted(self, other):
+        calls.append(1)
+        return self is other
+
+    s = make_scheduler(num_blocks=300, block_size=4, max_num_seqs=256, max_num_batched_tokens=4096)
+    monkeypatch.setattr(Request, "__eq__", counted)
+    for i in range(256):
+        s.add_request(make_request(f"a{i}", prompt_len=4, max_tokens=40, tenancy=Tenancy("a")))
+    preempted = swapped = most = 0
+    for step in range(12):
+        if step == 2:  # a second tenant arrives: seats change hands
+            for i in range(8):
+                s.add_request(make_request(f"b{i}", 4, 40, tenancy=Tenancy("b")))
+        most = max(most, len(s.running))
+        out, _ = run_step(s)
+        preempted += len(out.preempted_ids)
+        swapped += any(r.startswith("b") for r in (x.request_id for x in out.scheduled))
+        if step == 5:
+            s.finish_request("a3", RequestStatus.FINISHED_CANCELLED)
+    assert most == 256 and preempted > 0 and swapped > 0, (most, preempted, swapped)
+    assert calls == []

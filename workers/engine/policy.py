@@ -23,7 +23,7 @@ from collections import Counter
 from workers.engine import fairness
 from workers.engine.fairness import Ledger, cost
 from workers.engine.orders import Order, Side, make_order
-from workers.engine.request import Request
+from workers.engine.request import Request, drop
 
 STARVE_AFTER_S = 10.0  # shortest-first's guard when no max_wait_s is set
 
@@ -127,7 +127,7 @@ class SeatPolicy:
             asked.add(first.tenancy.tenant)
             victim = self.seat_for(first, running, seats, given)
             if victim is not None:
-                running.remove(victim)
+                drop(running, victim)
                 given.append(first)
                 swaps.append((victim, first))
                 asked.discard(first.tenancy.tenant)

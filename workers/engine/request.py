@@ -214,7 +214,7 @@ class Tenancy:
 NO_TENANCY = Tenancy()  # a request of no tenant in particular (offline, no keys)
 
 
-@dataclass
+@dataclass(eq=False)  # one request is one object: compared by identity, never field by field
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -340,6 +340,15 @@ class Request:
         return max(0.0, total - self.num_output_tokens)
 
     deadline = None  # the engine orders by no deadline
+
+
+def drop(requests: list[Request], req: Request) -> bool:
+    """Take `req` out of `requests` (found by identity); whether it was there."""
+    for i, r in enumerate(requests):
+        if r is req:
+            del requests[i]
+            return True
+    return False
 
 
 def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus | None:

@@ -31,7 +31,14 @@ from workers.engine.block_pool import BlockPool
 from workers.engine.config import SchedulerConfig
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.policy import make_policy
-from workers.engine.request import ErrorKind, Request, RequestStatus, choice_id, stop_status
+from workers.engine.request import (
+    ErrorKind,
+    Request,
+    RequestStatus,
+    choice_id,
+    drop,
+    stop_status,
+)
 from workers.engine.scheduler_output import SampledToken, ScheduledRequest, SchedulerOutput
 from workers.engine.step_gate import Gatekeeper, StepGate
 
@@ -82,11 +89,9 @@ class Scheduler:
             return None
         req.status = status
         req.error, req.error_kind = error, kind
-        was_running = req in self.running
-        if was_running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        was_running = drop(self.running, req)
+        if not was_running:
+            drop(self.waiting, req)
         natural = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
         if req.keep_kv and natural:
             # Every token but the one just sampled has its KV in the cache.
@@ -171,15 +176,16 @@ class Scheduler:
             self._preempt(victim)
         given = [w for _, w in swaps]
         if given:
-            self.waiting = given + [r for r in self.waiting if r not in given]
+            seated = {id(r) for r in given}
+            self.waiting = given + [r for r in self.waiting if id(r) not in seated]
 
     def _schedule_running(
         self, out: SchedulerOutput, budget: int, gate: StepGate, ahead: bool
     ) -> int:
         self.running.sort(key=self.policy.key)
         for req in list(self.running):
-            if req not in self.running:
-                continue  # preempted earlier in this loop to make room
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted (or failed) earlier in this loop to make room
             if ahead and not out.preempted_ids:
                 budget = self._schedule_waiting(out, gate, budget, before=self.policy.key(req))
             if gate.holds_back(req):
@@ -361,7 +367,7 @@ class Scheduler:
         gate.took(req, n, padding)
 
     def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
+        drop(self.running, req)
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.paced_since = None  # paced afresh from its next token, once recomputed
