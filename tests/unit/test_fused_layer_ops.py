@@ -266,7 +266,7 @@ def test_model_on_kernels_equals_model_on_torch_ops(ops, tiny_model_dir):
     prompts = [[1, 504, 3575, 282, 4649, 314], list(range(100, 160))]
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     fused = [engine_logits(engine, p) for p in prompts], run_engine(engine, prompts, greedy)
-    model.use_cpu_kernels(None)
+    model.use_fused_ops(None)
     plain = [engine_logits(engine, p) for p in prompts], run_engine(engine, prompts, greedy)
     for a, b in zip(fused[0], plain[0]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

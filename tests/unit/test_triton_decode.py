@@ -176,6 +176,7 @@ def interpreted() -> dict[str, str]:
     pytest.importorskip("triton", reason="triton is not installed: no kernel to test")
     code = (
         "import json, torch; torch.set_num_threads(2)\n"
+        "import tests.unit.triton_interpreter  # noqa: F401 (Triton < 3.7 under NumPy 2.4+)\n"
         "from tests.unit.test_triton_decode import run_checks\n"
         "print(json.dumps(run_checks('cpu')))"
     )
@@ -211,14 +212,16 @@ def test_cuda_graph_replay_follows_new_lengths() -> None:
     pytest.importorskip("triton", reason="triton is not installed: no kernel to test")
     from workers.model.attention.triton_decode import paged_decode_attention
 
-    c = paged_case(torch.bfloat16, 16, *HEADS[1], [70, 5, 33], 11, "cuda")
+    # Every token the replay reads is written (the rest are NaN): 70, 17 and 33 of them.
+    c = paged_case(torch.bfloat16, 16, *HEADS[1], [70, 17, 33], 11, "cuda")
+    c.lens.copy_(torch.tensor([70, 5, 33]))  # captured at these lengths
     out = torch.empty(c.q.shape, dtype=c.q.dtype, device="cuda")
     paged_decode_attention(*c.args(), c.scale, out=out)  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         paged_decode_attention(*c.args(), c.scale, out=out)
-    c.lens.copy_(torch.tensor([64, 17, 1]))
+    c.lens.copy_(torch.tensor([64, 17, 1]))  # replayed at these: row 1 grew
     c.q.copy_(torch.randn(c.q.shape, device="cuda").to(c.q.dtype))
     graph.replay()
     torch.cuda.synchronize()

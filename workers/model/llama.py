@@ -9,6 +9,7 @@ into its parameter, or into its rows of a fused one (`load_hf_weights`), and dro
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
@@ -47,7 +48,7 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = PackedLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = PackedLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
-        self.ops = None  # the fused CPU kernels, once LlamaForCausalLM.use_cpu_kernels sets them
+        self.ops = None  # fused layer ops, once LlamaForCausalLM.use_fused_ops sets them
 
     def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as `[T, heads, head_dim]` views of the fused projection's columns."""
@@ -69,9 +70,11 @@ class DecoderLayer(nn.Module):
         return x + self.down_proj(F.silu(gate) * up)
 
     def forward_fused(self, delta, residual, positions, rope, backend, k_cache, v_cache, meta):
-        """The same layer on fused CPU kernels (`self.ops`), in the residual-stream form:
-        `residual += delta` is folded into the first norm (delta is None on the first layer),
-        and this layer's MLP output is returned as the next delta, unadded."""
+        """The same layer on fused ops (`self.ops`: the CPU kernels, or Triton's on CUDA), in
+        the residual-stream form: `residual += delta` is folded into the first norm (delta is
+        None on the first layer), and this layer's MLP output is returned as the next delta,
+        unadded. Ops that `writes_kv` put k and v in the cache with the rotary (the backend
+        then writes nothing: `meta.kv_written`)."""
         cfg, ops = self.cfg, self.ops
         if delta is None:
             h = ops.rms_norm(residual, self.input_layernorm.weight, self.input_layernorm.eps)
@@ -80,8 +83,13 @@ class DecoderLayer(nn.Module):
                 delta, residual, self.input_layernorm.weight, self.input_layernorm.eps
             )
         q, k, v = self._qkv(h)
-        ops.rotary_inplace(q, positions, rope.cos, rope.sin)
-        ops.rotary_inplace(k, positions, rope.cos, rope.sin)
+        if meta.kv_written:
+            ops.rotary_write_kv(
+                q, k, v, positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping
+            )
+        else:
+            ops.rotary_inplace(q, positions, rope.cos, rope.sin)
+            ops.rotary_inplace(k, positions, rope.cos, rope.sin)
         attn = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         o = self.o_proj(attn.reshape(-1, cfg.q_size))
         norm = self.post_attention_layernorm
@@ -128,6 +136,8 @@ class LlamaForCausalLM(nn.Module):
         called once layer i has written this step's KV."""
         x = self.embed_tokens(input_ids)
         if self.ops is not None:
+            if getattr(self.ops, "writes_kv", False):  # each layer's K/V go in with its rotary
+                meta = dataclasses.replace(meta, kv_written=True)
             delta = None
             for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
                 delta, x = layer.forward_fused(
@@ -142,9 +152,9 @@ class LlamaForCausalLM(nn.Module):
                 layer_done(i)
         return self.norm(x)
 
-    def use_cpu_kernels(self, ops) -> None:
-        """Run the layers' small ops on the fused kernels of `workers.model.cpu_kernels`
-        (None: back to torch ops)."""
+    def use_fused_ops(self, ops) -> None:
+        """Run the layers' small ops on fused kernels: `workers.model.cpu_kernels`'s on the
+        CPU, `workers.model.triton_layer_ops`'s on CUDA (None: back to torch ops)."""
         self.ops = ops
         for layer in self.layers:
             layer.ops = ops

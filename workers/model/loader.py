@@ -120,5 +120,11 @@ def assemble_model(
     model.eval()
     if device.type == "cpu":
         pack_linears(model, device)
-        model.use_cpu_kernels(cpu_kernels())
+        model.use_fused_ops(cpu_kernels())
+    elif device.type == "cuda":
+        from workers.model.triton_layer_ops import cuda_layer_ops  # imports triton
+
+        model.use_fused_ops(
+            cuda_layer_ops(device, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        )
     return model

@@ -83,6 +83,9 @@ class AttentionMetadata:
     extra: dict | None = None
     # (block, offset) of each row's slot, for writing K/V with torch ops (see slot_index).
     slot_blocks: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The step's K/V are in the cache already (fused layer ops wrote them with the rotary):
+    # the backend writes nothing.
+    kv_written: bool = False
 
     def slot_index(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`cache[meta.slot_index(bs)] = k` writes a step's new K rows into their slots (in a
@@ -98,7 +101,8 @@ def slot_index(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torc
 
 
 class AttentionBackend(ABC):
-    """Writes this step's K/V into the paged cache, then attends over it.
+    """Writes this step's K/V into the paged cache (unless `meta.kv_written`), then attends
+    over it.
 
     Invariants: the backend never allocates or frees blocks (the scheduler owns them); it writes
     exactly the slots in `slot_mapping` and reads only blocks listed in the step's block tables.

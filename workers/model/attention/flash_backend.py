@@ -56,9 +56,10 @@ class FlashAttentionBackend(AttentionBackend):
         # A chunk's rows at output positions (PrefillSlice.out_rows) go with the rest of it:
         # flash-attn splits a decode's keys by the batch's shape, so on a GPU a replay's rows
         # would not come out as their first decode steps did either way.
-        index = meta.slot_index(k_cache.shape[1])
-        k_cache[index] = k
-        v_cache[index] = v
+        if not meta.kv_written:
+            index = meta.slot_index(k_cache.shape[1])
+            k_cache[index] = k
+            v_cache[index] = v
         if meta.extra is None:
             meta.extra = _varlen_inputs(meta, q.device)
         x = meta.extra

@@ -8,10 +8,12 @@ rows of like length (a group is padded to at most twice its rows' blocks, never 
 longest row of the batch), with the query heads of each KV group in SDPA's query-length axis,
 so GQA needs no head repeat.
 Prefill chunks run one sequence each. In bf16 on a CPU with AVX512-BF16 a compiled kernel
-attends straight off the paged cache, first chunk or later. Otherwise a chunk with no cached
-prefix attends to its own fresh K/V, causally, without touching the cache, and a later chunk
-reads its prefix (only its own blocks) from the cache; on the CPU it attends to the prefix and
-to itself in two mask-free passes, merged exactly by their log-sum-exps.
+attends straight off the paged cache, first chunk or later, and so does a Triton kernel on
+CUDA (triton_prefill.py), which needs no mask tensor for a later chunk. Otherwise a chunk
+with no cached prefix attends to its own fresh K/V, causally, without touching the cache,
+and a later chunk reads its prefix (only its own blocks) from the cache; on the CPU it
+attends to the prefix and to itself in two mask-free passes, merged exactly by their
+log-sum-exps.
 With a paged decode kernel, a chunk's rows at the sequence's output positions (a replay's
 tokens, or a preempted sequence's, computed again) attend as single-token decodes, as they
 were first computed: the kernel's rows do not depend on the batch or the chunking, so each
@@ -45,6 +47,7 @@ class TorchAttentionBackend(AttentionBackend):
         Triton kernel is tried at `shape` (the model's) before it is taken."""
         self.kernel = None  # Tandem's CPU kernels: slot writes, bf16 prefill, paged decode
         self.paged_decode = None  # (q, k_cache, v_cache, tables, lens, scale) -> out
+        self.paged_prefill = None  # (q, k_cache, v_cache, table, ctx_len, scale) -> out
         self._in_place = paged_blocks_contiguous  # what the paged decode asks of a cache
         if use_kernel and device.type == "cpu":
             from workers.model.cpu_kernels import cpu_kernels
@@ -77,6 +80,7 @@ class TorchAttentionBackend(AttentionBackend):
                 # as every layer's pair of views is.
                 self._in_place = lambda k_cache, v_cache: True
                 self.name = "torch+triton"
+                self.paged_prefill = _triton_prefill(device, shape)
             else:
                 log.warning(
                     "no Triton decode kernel (%s): decode attention gathers each row's "
@@ -90,13 +94,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         group = q.shape[1] // k.shape[1]
-        if self.kernel is not None:  # a memcpy per row
-            self.kernel.write_slots(k_cache, meta.slot_mapping, k)
-            self.kernel.write_slots(v_cache, meta.slot_mapping, v)
-        else:
-            index = meta.slot_index(k_cache.shape[1])
-            k_cache[index] = k
-            v_cache[index] = v
+        if not meta.kv_written:
+            self._write(k, v, k_cache, v_cache, meta)
         nd = meta.num_decode_tokens
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         if not meta.prefills:  # decodes alone: their output is the whole step's
@@ -122,6 +121,15 @@ class TorchAttentionBackend(AttentionBackend):
                     q[mid:end], k_cache, v_cache, rows_tables, rows_lens, group, scale
                 )
         return out
+
+    def _write(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        if self.kernel is not None:  # a memcpy per row
+            self.kernel.write_slots(k_cache, meta.slot_mapping, k)
+            self.kernel.write_slots(v_cache, meta.slot_mapping, v)
+        else:
+            index = meta.slot_index(k_cache.shape[1])
+            k_cache[index] = k
+            v_cache[index] = v
 
     def _prefill_kernel(self, q, k_cache, v_cache, block_table) -> bool:
         """Whether this chunk takes the compiled bf16 prefill kernel (AVX512-BF16): what it
@@ -162,6 +170,8 @@ class TorchAttentionBackend(AttentionBackend):
             return self.kernel.prefill_attention_bf16(
                 q, k_cache, v_cache, p.block_table, p.ctx_len, scale
             )
+        if self.paged_prefill is not None:  # CUDA: off the paged cache, prefix or not
+            return self.paged_prefill(q, k_cache, v_cache, p.block_table, p.ctx_len, scale)
         # 4-D inputs: with a batch axis, SDPA takes its fused CPU kernel rather than the
         # math fallback (5x faster on a 1,500-token prompt), and GQA needs no head repeat.
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
@@ -195,6 +205,22 @@ class TorchAttentionBackend(AttentionBackend):
             qh, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa
         )
         return o[0].transpose(0, 1)
+
+
+def _triton_prefill(device: torch.device, shape: HeadShape | None):
+    """The Triton prefill kernel, once its first launch at the model's shapes has passed;
+    else None (chunks go to SDPA), said once."""
+    from workers.model.attention.triton_prefill import paged_prefill_attention, prefill_refusal
+
+    if shape is None:
+        return None
+    why = prefill_refusal(
+        device, shape.dtype, shape.heads, shape.kv_heads, shape.head_dim, shape.block_size
+    )
+    if why is not None:
+        log.warning("no Triton prefill kernel (%s): prompt chunks run on SDPA", why)
+        return None
+    return paged_prefill_attention
 
 
 def paged_blocks_contiguous(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

@@ -11,58 +11,24 @@ row comes out the same bits whatever shares its batch.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-try:  # this module must import without triton; triton_unavailable() says why it is missing
-    import triton
-    import triton.language as tl
-
-    _IMPORT_ERROR = None
-except Exception as e:  # a broken install raises more than ImportError
-    triton = tl = None
-    _IMPORT_ERROR = "triton is not installed" if isinstance(e, ImportError) else f"triton: {e}"
+from workers.model.triton_base import (
+    IMPORT_ERROR,
+    as_operand,
+    interpreting,
+    jit,
+    tl,
+    triton,
+    triton_unavailable,
+)
 
 GROUP_PAD = 16  # tl.dot wants M >= 16: a query group is padded to 16 rows (the kernel's 16)
 MAX_HEAD_DIM = 256
 
 
-def _jit(fn):
-    return fn if triton is None else triton.jit(fn)
-
-
-def _interpreting() -> bool:
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def triton_unavailable() -> str | None:
-    """None when the kernel can run here, else a short reason."""
-    if triton is None:
-        return _IMPORT_ERROR
-    if not _interpreting() and not torch.cuda.is_available():
-        return "no CUDA device for triton (TRITON_INTERPRET=1 runs it on the CPU)"
-    return None
-
-
-@_jit
-def _as_operand(x, DTYPE: tl.constexpr, UPCAST: tl.constexpr):
-    """fp32 `x` rounded to DTYPE (kept in fp32 under UPCAST, see paged_decode_attention)."""
-    if not UPCAST:
-        y = x.to(DTYPE)
-    elif DTYPE == tl.bfloat16:  # round to nearest even by hand: the interpreter's cast truncates
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        y = bits.to(tl.float32, bitcast=True)
-    else:
-        y = x.to(DTYPE).to(tl.float32)
-    return y  # one return: the compiler checks every return's type, even in pruned branches
-
-
-@_jit
+@jit
 def _decode_kernel(
     q, k_cache, v_cache, tables, lens, out, scale_log2,
     q_sb, q_sh, c_sn, c_st, c_sh, t_sb, o_sb, o_sh,
@@ -100,10 +66,10 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        p = _as_operand(p, dtype, UPCAST)
+        p = as_operand(p, dtype, UPCAST)
         acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
-    o = _as_operand(acc / l_i[:, None], dtype, UPCAST)
+    o = as_operand(acc / l_i[:, None], dtype, UPCAST)
     tl.store(out + row * o_sb + head[:, None] * o_sh + d[None, :], o.to(dtype), mask=q_ok)
 
 
@@ -157,7 +123,7 @@ def paged_decode_attention(
     addresses in k_cache/v_cache [num_blocks, block_size, KVH, D]; query head h reads KV
     head h // (H // KVH). Returns [B, H, D] in q's dtype, written into `out` when given."""
     if triton is None:  # callers ask triton_unavailable() first; this is the hot path
-        raise RuntimeError(f"triton paged decode attention: {_IMPORT_ERROR}")
+        raise RuntimeError(f"triton paged decode attention: {IMPORT_ERROR}")
     batch, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -187,7 +153,7 @@ def paged_decode_attention(
     warps = 4 if tile * dim_p * q.element_size() <= 16384 else 8
     # The interpreter multiplies bfloat16 dot operands as raw bits (triton-lang/triton#11584):
     # there, operands go in as fp32 holding the values a GPU would feed its tensor cores.
-    upcast = _interpreting()
+    upcast = interpreting()
     _decode_kernel[(batch, kv_heads)](
         q, k_cache, v_cache, block_tables, context_lens, out, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

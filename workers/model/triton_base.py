@@ -1,0 +1,55 @@
+"""What Tandem's Triton kernels share (attention/triton_decode.py, triton_layer_ops.py): triton,
+imported if it can be (this module imports without it, and `triton_unavailable` says why),
+`jit`, whether the interpreter runs the kernels, and rounding to a dtype the interpreter gets
+right."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # this module must import without triton; triton_unavailable() says why it is missing
+    import triton
+    import triton.language as tl
+
+    IMPORT_ERROR = None
+except Exception as e:  # a broken install raises more than ImportError
+    triton = tl = None
+    IMPORT_ERROR = "triton is not installed" if isinstance(e, ImportError) else f"triton: {e}"
+
+
+def jit(fn):
+    return fn if triton is None else triton.jit(fn)
+
+
+def interpreting() -> bool:
+    """Whether kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_unavailable() -> str | None:
+    """None when the kernels can run here, else a short reason."""
+    if triton is None:
+        return IMPORT_ERROR
+    if not interpreting() and not torch.cuda.is_available():
+        return "no CUDA device for triton (TRITON_INTERPRET=1 runs it on the CPU)"
+    return None
+
+
+@jit
+def as_operand(x, DTYPE: tl.constexpr, UPCAST: tl.constexpr):
+    """fp32 `x` rounded to DTYPE; under UPCAST kept in fp32 holding the rounded value (the
+    interpreter multiplies bf16 dot operands as raw bits, triton-lang/triton#11584)."""
+    if not UPCAST:
+        y = x.to(DTYPE)
+    elif DTYPE == tl.bfloat16:  # round to nearest even by hand: the interpreter's cast truncates
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        y = bits.to(tl.float32, bitcast=True)
+    else:
+        y = x.to(DTYPE).to(tl.float32)
+    return y  # one return: the compiler checks every return's type, even in pruned branches
