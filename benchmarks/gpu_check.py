@@ -1,8 +1,8 @@
 """The first thing to run on a GPU: Tandem's CUDA path, checked in one file that needs torch
 alone (no Ray, Redis or flash-attn; Triton and flash-attn are used where present).
 
-    python benchmarks/gpu_check.py                  # on cuda:0, a few minutes
-    python benchmarks/gpu_check.py --device cpu     # the same checks on the CPU (the test suite)
+    python benchmarks/gpu_check.py --shape 8b       # on cuda:0: the checks, then the figures
+    python benchmarks/gpu_check.py --device cpu     # the same on the CPU (the test suite: --quick)
 
 The default model's weights are not needed: a model of SmolLM2-135M's shape (30 layers, 9
 heads over 3 KV heads of 64) with seeded random weights stands in, loaded through the same
@@ -20,7 +20,12 @@ compared and how long it took; exit status 1 if any check fails; `--json F` writ
 - nccl: a stalled operation times out in the caller and the process lives; a peer that never
   joins is a timeout, not a hang (on the CPU: the same through gloo).
 - graphs: decode steps replayed from CUDA graphs equal eager steps.
-- decode-step: the bf16 decode step's time at batch 1, 16 and 64 (graphs and eager on CUDA).
+
+Then the figures (benchmarks/gpu_figures.py), on a model of `--shape` (smollm2, or 8b: Llama-3
+8B's) with random weights made on the device, each against its floor, the model's matmuls
+alone: the card's read bandwidth, the decode step at batch 1, 16, 64 and 256, one 2,048-token
+prompt's prefill in TFLOP/s, and offline throughput (256 requests of 512 in, 128 out).
+`--json F` writes {"checks": [...], "figures": [...]}.
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import threading
@@ -42,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from benchmarks.gpu_figures import SHAPES, SMOLLM2, as_json, measure  # noqa: E402
 from kv_transfer.streams import indexed  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import LLMEngine  # noqa: E402
@@ -49,19 +54,6 @@ from workers.engine.request import SamplingParams  # noqa: E402
 from workers.model.config import ModelConfig  # noqa: E402
 from workers.model.loader import assemble_model  # noqa: E402
 
-SMOLLM2 = ModelConfig(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    rms_norm_eps=1e-5,
-    rope_theta=100000.0,
-    max_position_embeddings=8192,
-    tie_word_embeddings=True,
-)
 MAX_LEN = 2048
 TOP = 20  # alternatives asked for with every token, to judge a divergence
 
@@ -352,7 +344,7 @@ def check_kv_protocol(dev: torch.device) -> Result:
 NCCL_STALL = """
 import datetime, os, sys, time, torch, torch.distributed as dist
 sys.path.insert(0, {root!r})
-from kv_transfer.torch_dist import nccl_environment
+from kv_transfer.torch_dist import PairGroup, nccl_environment
 os.environ.update(nccl_environment(2))
 torch.cuda.set_device(0)
 opts = dist.ProcessGroupNCCL.Options()
@@ -361,18 +353,20 @@ opts.config.blocking = 0
 pg = dist.ProcessGroupNCCL(dist.HashStore(), 0, 1, opts)
 x = torch.ones(1, device="cuda")
 pg.allreduce([x]).wait(datetime.timedelta(seconds=30))  # the communicator, made
+g = PairGroup.over(pg, "stall", 0, torch.device("cuda"), backend="nccl")
 torch.cuda._sleep(int(2e10))  # the stream stalls for about ten seconds
 work = pg.allreduce([x])
 t0 = time.monotonic()
 try:
-    work.wait(datetime.timedelta(seconds=2))
+    g.wait(work, 2)  # Tandem's own wait: polled to its deadline, the abort on the reaper
     print("WAIT-RETURNED")
 except Exception as e:
     print("RAISED", type(e).__name__, round(time.monotonic() - t0, 1))
 try:
-    pg.abort()
+    g.settle([], 60)  # as a quarantine does: until the reaper's abort has returned
+    print("SETTLED", round(time.monotonic() - t0, 1))
 except Exception as e:
-    print("ABORT-RAISED", type(e).__name__)
+    print("SETTLE-RAISED", type(e).__name__, str(e)[:120])
 time.sleep(6)  # past the group's own timeout: nothing may take the process down
 print("ALIVE")
 """
@@ -466,7 +460,7 @@ def check_nccl(dev: torch.device) -> list[Result]:
             Result(
                 "nccl-stalled-op",
                 "PASS" if ok else "FAIL",
-                f"a 2 s wait on a stalled allreduce: {detail}",
+                f"a 2 s PairGroup.wait on a stalled allreduce: {detail}",
                 s,
             )
         )
@@ -524,46 +518,6 @@ def check_graphs(models: Models, dev: torch.device, quick: bool) -> Result:
     return res
 
 
-def check_step_time(models: Models, dev: torch.device, quick: bool) -> Result:
-    """Median time of a decode step of bf16 rows whose prompts are 128 tokens (32 for
-    --quick), all in the batch at once."""
-    t0 = time.perf_counter()
-    steps = 3 if dev.type == "cpu" else 50
-    context = 32 if quick else 128
-    modes = {"graphs": {}, "eager": {"cuda_graphs": False}} if dev.type == "cuda" else {"": {}}
-    block = 256 if dev.type == "cuda" else 16
-    # Each of 64 rows grows by the warm-up and timed steps: a block more than that, spare.
-    per_row = -(-(context + steps + 8) // block) + 1
-    table = {}
-    for mode, extra in modes.items():
-        engine = models.engine(
-            dev, "bfloat16", max_num_seqs=64, num_kv_blocks=64 * per_row, **extra
-        )
-        for batch in (1, 16, 64):
-            ids = [
-                engine.add_request(p, SamplingParams(max_tokens=10_000, ignore_eos=True))
-                for p in prompts(batch, context, 9, spread=0)
-            ]
-            while engine.scheduler.waiting or any(
-                r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running
-            ):
-                engine.step()
-            for _ in range(3):  # warm
-                engine.step()
-            times = []
-            for _ in range(steps):
-                s = time.perf_counter()
-                engine.step()
-                times.append((time.perf_counter() - s) * 1e3)
-            if len(engine.scheduler.running) != batch:
-                raise RuntimeError(f"{len(engine.scheduler.running)} of {batch} rows running")
-            for i in ids:
-                engine.abort(i)
-            table[f"{mode + ' ' if mode else ''}batch {batch}"] = statistics.median(times)
-    detail = f"{context}-token contexts, " + ", ".join(f"{k}: {v:.2f} ms" for k, v in table.items())
-    return Result("decode-step-bf16", "PASS", detail, time.perf_counter() - t0, table)
-
-
 def environment(dev: torch.device) -> Result:
     from workers.model.attention.flash_backend import flash_attn_unavailable
     from workers.model.attention.triton_decode import triton_unavailable
@@ -589,6 +543,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
     ap.add_argument("--quick", action="store_true", help="fewer tokens (the CPU test's)")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="the figures' model")
+    ap.add_argument("--no-figures", action="store_true", help="the checks alone")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -606,7 +562,6 @@ def main(argv=None) -> int:
         ("kv-protocol", lambda: [check_kv_protocol(dev)]),
         ("nccl", lambda: check_nccl(dev)),
         ("graphs", lambda: [check_graphs(models, dev, args.quick)]),
-        ("decode-step-bf16", lambda: [check_step_time(models, dev, args.quick)]),
     ]
     results = []
     for name, check in checks:
@@ -621,12 +576,23 @@ def main(argv=None) -> int:
             print(r.line(), flush=True)
         results += batch
     failed = [r.name for r in results if r.status == "FAIL"]
+    figures = []
+    if not args.no_figures:
+        print(f"figures: the {args.shape} shape on {dev}, bf16, each against its floor")
+        try:
+            figures = measure(args.shape, dev, args.quick)
+        except Exception as e:
+            tail = traceback.format_exc().strip().splitlines()[-1]
+            print(f"FAIL  figures raised {type(e).__name__}: {tail}")
+            failed.append("figures")
     print(
         f"{len(results) - len(failed)} of {len(results)} checks passed on {dev}"
         + (f"; FAILED: {', '.join(failed)}" if failed else "")
     )
     if args.json:
-        args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))
+        doc = {"device": str(dev), "shape": args.shape, "checks": [r.__dict__ for r in results]}
+        doc["figures"] = as_json(figures)
+        args.json.write_text(json.dumps(doc, indent=2))
     return 1 if failed else 0
 
 
