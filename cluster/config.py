@@ -266,6 +266,13 @@ class ClusterConfig:
             # A prefill worker stops each request at its first token: it never runs a step of
             # decodes alone, and graphs captured for one would hold memory for nothing.
             engine = replace(engine, cuda_graphs=False)
+            if engine.device != "cpu":
+                # Nor has it decodes to pace: on a GPU a whole prompt (up to the step's token
+                # budget) goes in one step, one pass over the weights, at the matmuls' pace.
+                # On a CPU a long prompt's step would hold the short ones behind it for
+                # seconds: there its chunks stay as configured.
+                whole = max(engine.prefill_chunk_size, engine.max_num_batched_tokens)
+                engine = replace(engine, prefill_chunk_size=whole)
         if engine.device != "cpu":
             return engine
         return replace(engine, num_threads=p.threads or engine.num_threads or max(1, int(p.cpus)))

@@ -95,9 +95,13 @@ def test_each_pool_runs_its_resolved_engine():
         assert (e.device, e.dtype, e.block_size, e.num_threads) == ("cuda", "auto", 256, None)
         assert e.resolve(bf16=True).dtype == "bfloat16" and e.resolve(bf16=False).dtype == "float16"
         assert e.cuda_graphs == (pool is Pool.DECODE)  # prefill never steps decodes alone
+        # A GPU prefill worker takes a whole prompt, up to the step's budget, in one step.
+        whole = e.max_num_batched_tokens if pool is Pool.PREFILL else 512
+        assert e.prefill_chunk_size == whole
     cpu = cluster({}, {"cpus": 2, "threads": 3}, {"cpus": 2})
     pe, de = cpu.engine_for(Pool.PREFILL), cpu.engine_for(Pool.DECODE)
     assert (pe.device, pe.dtype, pe.block_size, pe.num_threads) == ("cpu", "float32", 16, 3)
+    assert pe.prefill_chunk_size == de.prefill_chunk_size == 512  # on a CPU, as configured
     assert de.num_threads == 2  # its cpus
     # Colocated: only the decode pool runs, so the prefill pool's GPUs are not checked.
     colo = cluster({"device": "cuda"}, {"gpus": 0}, {"gpus": 1}, mode="colocated")
