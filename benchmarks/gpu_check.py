@@ -367,6 +367,7 @@ try:
     print("SETTLED", round(time.monotonic() - t0, 1))
 except Exception as e:
     print("SETTLE-RAISED", type(e).__name__, str(e)[:120])
+    sys.exit(3)  # the quarantine would keep its blocks for good: a failure
 time.sleep(6)  # past the group's own timeout: nothing may take the process down
 print("ALIVE")
 """

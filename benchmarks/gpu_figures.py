@@ -5,7 +5,9 @@ model of a given shape with random weights made on the device:
 - decode-step-bN: a decode step's time at batch N, with every row's context at the shape's
   context length; floor: the model's linear layers alone (QKV, O, gate-up, down, lm_head) at
   that batch, chained in one CUDA graph (on the CPU, run as they are), with no attention,
-  norms, sampling or Python;
+  norms, sampling or Python. At large batches the KV read is on top of the floor: for the 8b
+  shape at batch 256 of 512 tokens it is more bytes than the weights (a ratio near 2.2 is
+  then the hardware's, at batch 64 near 1.3);
 - prefill: one prompt's prefill (2,048 tokens) to its first token, as TFLOP/s of the model's
   matmuls over its wall time; floor: the same matmuls alone;
 - offline: output tokens per second of a batch of requests (256 of 512 in, 128 out,

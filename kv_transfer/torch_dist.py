@@ -18,8 +18,10 @@ NCCL, made to fail like gloo does, in the caller and never by killing the proces
   aborts inline: torch's own timed wait notices the timeout in time, then aborts the
   communicator in the caller, and ncclCommAbort waits for the streams, which a long kernel
   ahead of the operation may hold for seconds (NVIDIA/nccl#829: a 2 s wait raised at 10 s).
-  The abort runs on the reaper, a thread of its own (`Reaper`), never on the engine loop or
-  an RPC thread; a quarantine (`settle`) waits for it before the buffers may be reused.
+  The abort runs on a reaper, a thread of its own (`reap`), never on the engine loop or an
+  RPC thread, and no probe of the group runs beside it (a probe keeps the GIL while it waits
+  for the communicator's lock); a quarantine (`settle`) waits for it before the buffers may
+  be reused.
   Blocking wait stays on, so that torch's watchdog only marks a late operation failed and
   never tears the process down; error handling 2 (abort the communicator, keep the
   process), with the heartbeat monitor and the dump-then-exit path off, stands behind it;
@@ -38,7 +40,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import queue
 import socket
 import threading
 import time
@@ -74,12 +75,13 @@ TRANSFER_LIMIT_S = 3600.0  # no transfer, prefill of its prompt included, takes 
 POLL_FIRST_S, POLL_MOST_S = 20e-6, 2e-3
 
 
-def completed_by(work, deadline: float, clock=None, sleep=None) -> bool:
-    """Whether `work` completes by `deadline` (on `clock`, time.monotonic by default),
-    polling `is_completed()`, which never blocks; False the moment the deadline passes."""
+def completed_by(probe, deadline: float, clock=None, sleep=None) -> bool:
+    """Whether `probe()` (an operation's completion, asked without blocking) is true by
+    `deadline` (on `clock`, time.monotonic by default); False the moment the deadline
+    passes. `probe` may raise, which ends the wait."""
     clock = clock or time.monotonic
     pause = POLL_FIRST_S
-    while not work.is_completed():
+    while not probe():
         left = deadline - clock()
         if left <= 0:
             return False
@@ -88,38 +90,24 @@ def completed_by(work, deadline: float, clock=None, sleep=None) -> bool:
     return True
 
 
-class Reaper:
-    """Aborts process groups on a thread of its own, one after another: an abort may wait for
-    the device's streams (ncclCommAbort does), so nobody who must keep time makes one."""
+def reap(pg, guard: threading.Lock, name: str) -> threading.Event:
+    """Abort `pg` on a thread of its own, holding `guard` (no probe of the group runs beside
+    the abort); the event is set once the abort has returned or raised. An abort may wait for
+    the device's streams (ncclCommAbort does), so nobody who must keep time makes one, and
+    one that hangs holds up no other pair's."""
+    done = threading.Event()
 
-    def __init__(self, name: str = "kv-reaper") -> None:
-        self.name = name
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def abort(self, pg) -> threading.Event:
-        """Queue `pg`'s abort; the event is set once it has returned (or raised)."""
-        done = threading.Event()
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                self._thread.start()
-        self._jobs.put((pg, done))
-        return done
-
-    def _run(self) -> None:
-        while True:
-            pg, done = self._jobs.get()
-            try:
+    def run() -> None:
+        try:
+            with guard:
                 pg.abort()
-            except Exception:  # the group is being dropped either way
-                log.debug("abort of a pair group raised", exc_info=True)
-            finally:
-                done.set()
+        except Exception:  # the group is being dropped either way
+            log.debug("abort of pair group %s raised", name, exc_info=True)
+        finally:
+            done.set()
 
-
-REAPER = Reaper()
+    threading.Thread(target=run, name=f"kv-reaper {name}", daemon=True).start()
+    return done
 
 
 def group_timeout(timeout_s: float) -> datetime.timedelta:
@@ -190,6 +178,10 @@ class PairGroup(KVChannel):
         self.peer = 1 - rank
         self._closed = False
         self._aborted: threading.Event | None = None  # set once the reaper's abort returned
+        # Held while a probe asks NCCL about an operation, and by the reaper for the abort:
+        # is_completed() keeps the GIL while it waits for the communicator's lock, which an
+        # abort holds for as long as it runs; waiting here instead, a thread lets go of it.
+        self._guard = threading.Lock()
         self.pg = group
         self._posted: dict[int, float] = {}  # NCCL: id(work) -> when it was posted
         self.streams = device_streams(device)
@@ -242,10 +234,10 @@ class PairGroup(KVChannel):
         try:
             if self.backend == "nccl":
                 # Polled against its deadline, timeout_s from now (not from the post: see the
-                # module's doc); once complete, the wait below returns at once, or raises the
-                # operation's error. Its own timeout counts from the post: the time since then
-                # goes on top, as before polling.
-                if not completed_by(handle, time.monotonic() + timeout_s):
+                # module's doc). An operation that failed raises here, never in wait(), which
+                # would abort the communicator inline; a complete one's wait returns at once
+                # (its own timeout counts from the post: the time since goes on top).
+                if not completed_by(lambda: self._probe(handle), time.monotonic() + timeout_s):
                     raise TimeoutError(f"did not complete within {timeout_s:g} s")
                 if posted is not None:
                     timeout_s += time.monotonic() - posted
@@ -256,6 +248,25 @@ class PairGroup(KVChannel):
         except Exception as e:
             self.close()
             raise TransferError(f"transfer on pair {self.prefix} failed: {e}") from e
+
+    def _probe(self, handle) -> bool:
+        """Whether an NCCL operation is complete (raises its error, or TransferError once the
+        pair is closed); False while an abort holds the group."""
+        if self._closed:
+            raise TransferError("the pair was closed while it ran")
+        if not self._guard.acquire(timeout=POLL_MOST_S):
+            return False
+        try:
+            if self._closed:
+                raise TransferError("the pair was closed while it ran")
+            if not handle.is_completed():
+                return False
+            error = handle.exception()
+            if error is not None:
+                raise TransferError(f"the operation failed: {error}")
+            return True
+        finally:
+            self._guard.release()
 
     def settle(self, handles, timeout_s):
         """Closing a gloo group does not cancel its posted receives: a peer still sending
@@ -293,12 +304,15 @@ class PairGroup(KVChannel):
         """Never blocks: the abort (NCCL: it ends operations in flight; never shutdown(),
         which waits for them) runs on the reaper. Receives already posted may still
         complete: see settle."""
-        if self._closed:
+        if self._closed:  # never waits behind an abort that holds the guard
             return
-        self._closed = True
-        pg, self.pg = self.pg, None
-        if pg is not None and hasattr(pg, "abort"):
-            self._aborted = REAPER.abort(pg)
+        with self._guard:  # no probe is asking NCCL now, and none will once closed
+            if self._closed:
+                return
+            self._closed = True
+            pg, self.pg = self.pg, None
+            if pg is not None and hasattr(pg, "abort"):
+                self._aborted = reap(pg, self._guard, self.prefix)
 
 
 def _nccl_group(store: dist.Store, rank: int, timeout_s: float):

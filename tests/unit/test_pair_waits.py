@@ -26,6 +26,9 @@ class StalledWork:
         self.polls += 1
         return False
 
+    def exception(self):
+        return None
+
     def wait(self, timeout=None) -> bool:
         if not self.pg.aborted.is_set():
             raise AssertionError("a blocking wait on a stalled operation")
@@ -38,6 +41,9 @@ class DoneWork:
 
     def is_completed(self) -> bool:
         return True
+
+    def exception(self):
+        return None
 
     def wait(self, timeout=None) -> bool:
         self.waited += 1
@@ -82,7 +88,7 @@ def test_a_stalled_wait_raises_at_its_deadline_while_the_abort_runs_on_the_reape
     deadline = time.monotonic() + 2
     while not pg.abort_threads and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert pg.abort_threads == ["kv-reaper"]
+    assert pg.abort_threads == ["kv-reaper pair/p/1"]
     g.close()  # again: nothing more
     assert g.pg is None
 
@@ -134,5 +140,62 @@ def test_completed_by_polls_until_the_deadline_and_never_past_it():
         clock[0] += s
 
     work = StalledWork(SlowAbortGroup(0.0))
-    assert not completed_by(work, 1.0, clock=lambda: clock[0], sleep=sleep)
+    assert not completed_by(work.is_completed, 1.0, clock=lambda: clock[0], sleep=sleep)
     assert clock[0] == pytest.approx(1.0) and max(slept) <= 2e-3 and slept[0] < 1e-4
+
+
+class WatchedWork(StalledWork):
+    """Fails the test if NCCL were asked about it while its communicator is being aborted
+    (there, is_completed() keeps the GIL until the abort returns: every thread stops)."""
+
+    def is_completed(self) -> bool:
+        assert not self.pg.aborting, "probed beside the abort"
+        return super().is_completed()
+
+
+class WatchedGroup(SlowAbortGroup):
+    def __init__(self, abort_s: float) -> None:
+        super().__init__(abort_s, WatchedWork)
+        self.aborting = False
+
+    def recv(self, tensors, peer, tag):
+        return WatchedWork(self)
+
+    def abort(self) -> None:
+        self.aborting = True
+        try:
+            super().abort()
+        finally:
+            self.aborting = False
+
+
+def test_a_wait_on_a_pair_another_thread_closes_ends_at_once_and_never_probes_the_abort():
+    pg = WatchedGroup(abort_s=1.0)
+    g = pair(pg)
+    work = g.post_recv(torch.zeros(4))
+    closer = threading.Timer(0.2, g.close)  # as a re-pairing or a departing peer does
+    closer.start()
+    t0 = time.monotonic()
+    with pytest.raises(TransferError, match="closed while it ran"):
+        g.wait(work, 5.0)
+    assert time.monotonic() - t0 < 0.5  # at the close, not at its deadline nor the abort's end
+    closer.join()
+    g.settle([], timeout_s=5.0)
+    assert pg.aborted.is_set()
+
+
+class FailedWork(DoneWork):
+    def exception(self):
+        return RuntimeError("NCCL error: remote process exited")
+
+    def wait(self, timeout=None) -> bool:
+        raise AssertionError("wait() on a failed operation aborts the communicator inline")
+
+
+def test_a_failed_operation_raises_from_the_poll_and_is_aborted_on_the_reaper():
+    pg = SlowAbortGroup(abort_s=0.0, work_cls=FailedWork)
+    g = pair(pg)
+    with pytest.raises(TransferError, match="remote process exited"):
+        g.wait(g.post_recv(torch.zeros(4)), 5.0)
+    g.settle([], timeout_s=5.0)
+    assert pg.abort_threads == ["kv-reaper pair/p/1"]

@@ -200,6 +200,9 @@ class FakeWork:
     def is_completed(self) -> bool:
         return True  # done by the time it is waited for: the wait's own timeout is shown
 
+    def exception(self):
+        return None
+
 
 class FakeGroup:
     def __init__(self, streams: RecordingStreams) -> None:
@@ -216,7 +219,7 @@ def bare_pair(device: str) -> PairGroup:
     g = PairGroup.__new__(PairGroup)
     g.prefix, g.rank, g.peer, g.device = "pair/t/1", 1, 0, torch.device(device)
     g.backend = "nccl" if device == "cuda" else "gloo"
-    g._closed, g._posted, g._aborted = False, {}, None
+    g._closed, g._posted, g._aborted, g._guard = False, {}, None, threading.Lock()
     g.streams = RecordingStreams([], "receiver")
     g.stream = g.streams.new_stream()
     g.pg = FakeGroup(g.streams)

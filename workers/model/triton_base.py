@@ -19,8 +19,12 @@ except Exception as e:  # a broken install raises more than ImportError
     IMPORT_ERROR = "triton is not installed" if isinstance(e, ImportError) else f"triton: {e}"
 
 
-def jit(fn):
-    return fn if triton is None else triton.jit(fn)
+def jit(fn=None, **options):
+    """triton.jit (with its options, e.g. do_not_specialize), or the function itself where
+    triton is missing."""
+    if fn is None:
+        return lambda f: jit(f, **options)
+    return fn if triton is None else triton.jit(fn, **options)
 
 
 def interpreting() -> bool:
@@ -49,7 +53,8 @@ def as_operand(x, DTYPE: tl.constexpr, UPCAST: tl.constexpr):
     elif DTYPE == tl.bfloat16:  # round to nearest even by hand: the interpreter's cast truncates
         bits = x.to(tl.uint32, bitcast=True)
         bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        y = bits.to(tl.float32, bitcast=True)
+        # NaN stays NaN (the sum would carry a GPU's 0x7FFFFFFF over into -0.0).
+        y = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
     else:
         y = x.to(DTYPE).to(tl.float32)
     return y  # one return: the compiler checks every return's type, even in pruned branches

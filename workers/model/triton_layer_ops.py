@@ -38,7 +38,7 @@ def _rms_norm_kernel(
     x, res, w, out, x_stride, res_stride, out_stride, hidden, eps,
     ADD: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride past 2**31 in a long prompt's step
     cols = tl.arange(0, BLOCK)
     ok = cols < hidden
     h = tl.load(res + row * res_stride + cols, mask=ok, other=0.0).to(tl.float32)
@@ -79,7 +79,7 @@ def _rotary_kv_kernel(
     HALF: tl.constexpr, HEADS_P: tl.constexpr, KV_HEADS_P: tl.constexpr,
     HALF_P: tl.constexpr, WRITE: tl.constexpr, DTYPE: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + row)
     i = tl.arange(0, HALF_P)[None, :]
     cos_t = tl.load(cos + pos * HALF + i, mask=i < HALF, other=0.0)
@@ -87,7 +87,7 @@ def _rotary_kv_kernel(
     _rotate(q, row, q_stride, cos_t, sin_t, heads, HALF, HEADS_P, HALF_P, DTYPE)
     k1, k2 = _rotate(k, row, k_stride, cos_t, sin_t, kv_heads, HALF, KV_HEADS_P, HALF_P, DTYPE)
     if WRITE:
-        slot = tl.load(slots + row)
+        slot = tl.load(slots + row).to(tl.int64)  # a layer's cache may pass 2**31 elements
         if slot >= 0:  # a padded row (a captured batch's spare) writes nothing
             h = tl.arange(0, KV_HEADS_P)[:, None]
             ok = (h < kv_heads) & (i < HALF)
@@ -101,7 +101,7 @@ def _rotary_kv_kernel(
 
 @jit
 def _silu_mul_kernel(gate_up, out, width, in_stride, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
-    row, part = tl.program_id(0), tl.program_id(1)
+    row, part = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = part * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
     g = tl.load(gate_up + row * in_stride + cols, mask=ok, other=0.0).to(tl.float32)

@@ -31,7 +31,7 @@ from workers.model.triton_base import (
 MAX_HEAD_DIM = 256
 
 
-@jit
+@jit(do_not_specialize=["offset", "q_len"])  # they change with every chunk: one compile
 def _prefill_kernel(
     q, k_cache, v_cache, table, out, scale_log2, offset, q_len,
     q_st, q_sh, c_sn, c_st, c_sh, o_st, o_sh,
@@ -40,7 +40,7 @@ def _prefill_kernel(
 ):  # fmt: skip
     tile_m, head = tl.program_id(0), tl.program_id(1)
     kvh = head // GROUP
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     d, offs = tl.arange(0, DIM_P), tl.arange(0, TILE)
     d_ok = d < DIM
     q_ok = (rows < q_len)[:, None] & d_ok[None, :]
