@@ -9,17 +9,13 @@ the same checks also run compiled, with a CUDA graph capture.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.unit import triton_checks
+
 # (H, KVH, D): groups of 1, 3 (SmolLM2's 9 over 3), 4 and 16 (the kernel's whole padded
 # group); D=80 pads to 128 in the kernel.
 HEADS = [(2, 2, 64), (9, 3, 80), (8, 2, 64), (16, 1, 128)]
@@ -154,45 +150,9 @@ CHECKS = {
 }
 
 
-def run_checks(device: str) -> dict[str, str]:
-    """Every check, run on `device`: "ok" or the failure, by name."""
-    from workers.model.attention.triton_decode import triton_unavailable
-
-    reason = triton_unavailable()
-    if reason is not None:
-        return {"unavailable": reason}
-    report = {}
-    for name, check in CHECKS.items():
-        try:
-            check(device)
-            report[name] = "ok"
-        except AssertionError as e:
-            report[name] = str(e) or "assertion failed"
-    return report
-
-
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    pytest.importorskip("triton", reason="triton is not installed: no kernel to test")
-    code = (
-        "import json, torch; torch.set_num_threads(2)\n"
-        "import tests.unit.triton_interpreter  # noqa: F401 (Triton < 3.7 under NumPy 2.4+)\n"
-        "from tests.unit.test_triton_decode import run_checks\n"
-        "print(json.dumps(run_checks('cpu')))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "unavailable" in report:
-        pytest.skip(f"triton cannot run here: {report['unavailable']}")
-    return report
+    return triton_checks.interpreted("tests.unit.test_triton_decode", "cpu")
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -203,7 +163,7 @@ def test_interpreted(interpreted: dict[str, str], check: str) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernel: needs a CUDA GPU")
 def test_compiled_on_cuda() -> None:
     pytest.importorskip("triton", reason="triton is not installed: no kernel to test")
-    assert run_checks("cuda") == dict.fromkeys(CHECKS, "ok")
+    assert triton_checks.run_checks(CHECKS, "cuda") == dict.fromkeys(CHECKS, "ok")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: needs a CUDA GPU")

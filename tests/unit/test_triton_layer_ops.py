@@ -10,23 +10,17 @@ set before triton is imported.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.unit import triton_checks
 from workers.model.attention.base import AttentionMetadata
 from workers.model.llama import DecoderLayer, RMSNorm
 from workers.model.rope import RotaryEmbedding
 from workers.model.triton_layer_ops import TorchLayerOps
 
-ROOT = Path(__file__).resolve().parents[2]
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2**-7, 2**-7)}  # a bf16 rounding apart
 
 
@@ -96,44 +90,9 @@ def check_silu() -> None:
 CHECKS = {"norms": check_norms, "rotary_kv": check_rotary_kv, "silu": check_silu}
 
 
-def run_checks() -> dict[str, str]:
-    from workers.model.attention.triton_decode import triton_unavailable
-
-    reason = triton_unavailable()
-    if reason is not None:
-        return {"unavailable": reason}
-    report = {}
-    for name, check in CHECKS.items():
-        try:
-            check()
-            report[name] = "ok"
-        except AssertionError as e:
-            report[name] = str(e)[-2000:] or "assertion failed"
-    return report
-
-
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    pytest.importorskip("triton", reason="triton is not installed: no kernel to test")
-    code = (
-        "import json, torch; torch.set_num_threads(2)\n"
-        "import tests.unit.triton_interpreter  # noqa: F401 (Triton < 3.7 under NumPy 2.4+)\n"
-        "from tests.unit.test_triton_layer_ops import run_checks\n"
-        "print(json.dumps(run_checks()))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "unavailable" in report:
-        pytest.skip(f"triton cannot run here: {report['unavailable']}")
-    return report
+    return triton_checks.interpreted("tests.unit.test_triton_layer_ops")
 
 
 @pytest.mark.parametrize("check", CHECKS)

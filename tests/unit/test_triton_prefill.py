@@ -6,16 +6,11 @@ before triton is imported), and compiled on a CUDA machine."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.unit import triton_checks
+
 # (H, KVH, D)
 HEADS = [(2, 2, 64), (9, 3, 80), (8, 2, 64), (16, 1, 128)]
 # (block size, tokens before the chunk, chunk): first chunks, later ones, across 64-wide tiles.
@@ -82,44 +77,9 @@ def check_first_launch(device: str) -> None:
 CHECKS = {"reference": check_reference, "first_launch": check_first_launch}
 
 
-def run_checks(device: str) -> dict[str, str]:
-    from workers.model.triton_base import triton_unavailable
-
-    reason = triton_unavailable()
-    if reason is not None:
-        return {"unavailable": reason}
-    report = {}
-    for name, check in CHECKS.items():
-        try:
-            check(device)
-            report[name] = "ok"
-        except AssertionError as e:
-            report[name] = str(e) or "assertion failed"
-    return report
-
-
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    pytest.importorskip("triton", reason="triton is not installed: no kernel to test")
-    code = (
-        "import json, torch; torch.set_num_threads(2)\n"
-        "import tests.unit.triton_interpreter  # noqa: F401 (Triton < 3.7 under NumPy 2.4+)\n"
-        "from tests.unit.test_triton_prefill import run_checks\n"
-        "print(json.dumps(run_checks('cpu')))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "unavailable" in report:
-        pytest.skip(f"triton cannot run here: {report['unavailable']}")
-    return report
+    return triton_checks.interpreted("tests.unit.test_triton_prefill", "cpu")
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -130,4 +90,4 @@ def test_interpreted(interpreted: dict[str, str], check: str) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernel: needs a CUDA GPU")
 def test_compiled_on_cuda() -> None:
     pytest.importorskip("triton", reason="triton is not installed: no kernel to test")
-    assert run_checks("cuda") == dict.fromkeys(CHECKS, "ok")
+    assert triton_checks.run_checks(CHECKS, "cuda") == dict.fromkeys(CHECKS, "ok")

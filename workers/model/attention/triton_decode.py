@@ -14,6 +14,12 @@ import math
 
 import torch
 
+from workers.model.attention.triton_tiles import (
+    MAX_HEAD_DIM,
+    check_paged_cache,
+    paged_kv_tile,
+    softmax_step,
+)
 from workers.model.triton_base import (
     IMPORT_ERROR,
     as_operand,
@@ -25,7 +31,6 @@ from workers.model.triton_base import (
 )
 
 GROUP_PAD = 16  # tl.dot wants M >= 16: a query group is padded to 16 rows (the kernel's 16)
-MAX_HEAD_DIM = 256
 
 
 @jit
@@ -49,26 +54,15 @@ def _decode_kernel(
     acc = tl.zeros([16, DIM_P], tl.float32)
     length = tl.load(lens + row)
     for start in range(0, length, TILE):
-        # Each token goes through the table: a tile may span small blocks or part of a big one.
         pos = start + offs
         live = pos < length
-        block = tl.load(tables + row * t_sb + pos // BLOCK_SIZE, mask=live, other=0)
-        token = block.to(tl.int64) * c_sn + (pos % BLOCK_SIZE) * c_st + kvh * c_sh
-        kv_ok = live[:, None] & d_ok[None, :]
-        # Masked loads, not masked scores alone: a slot past the length may hold NaN.
-        k = tl.load(k_cache + token[:, None] + d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_cache + token[:, None] + d[None, :], mask=kv_ok, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v = paged_kv_tile(
+            k_cache, v_cache, tables + row * t_sb, pos, live, d, d_ok, kvh, c_sn, c_st, c_sh,
+            BLOCK_SIZE, UPCAST,
+        )  # fmt: skip
         s = tl.dot(qg, tl.trans(k), input_precision=PRECISION) * scale_log2
-        s = tl.where(live[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has a live position
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = as_operand(p, dtype, UPCAST)
-        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
+        s = tl.where(live[None, :], s, float("-inf"))  # every tile has a live position
+        m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc, dtype, UPCAST, PRECISION)
     o = as_operand(acc / l_i[:, None], dtype, UPCAST)
     tl.store(out + row * o_sb + head[:, None] * o_sh + d[None, :], o.to(dtype), mask=q_ok)
 
@@ -129,12 +123,7 @@ def paged_decode_attention(
     group = heads // kv_heads
     if heads != group * kv_heads or group > GROUP_PAD:
         raise ValueError(f"{heads} query heads over {kv_heads} KV heads: need a group of 1..16")
-    if k_cache.shape[-1] != dim or dim > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {dim} (cache {k_cache.shape[-1]}): need equal, <= 256")
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError("k_cache and v_cache must be alike: shapes and strides")
-    if k_cache.stride(-1) != 1 or q.dtype != k_cache.dtype:
-        raise ValueError("the cache must be contiguous in head_dim, in q's dtype")
+    check_paged_cache(q, k_cache, v_cache)
     if block_tables.shape[0] != batch or context_lens.shape != (batch,):
         raise ValueError("block_tables must be [B, W] and context_lens [B]")
     if q.stride(-1) != 1:

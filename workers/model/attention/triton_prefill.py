@@ -18,6 +18,12 @@ import math
 
 import torch
 
+from workers.model.attention.triton_tiles import (
+    MAX_HEAD_DIM,
+    check_paged_cache,
+    paged_kv_tile,
+    softmax_step,
+)
 from workers.model.triton_base import (
     IMPORT_ERROR,
     as_operand,
@@ -27,8 +33,6 @@ from workers.model.triton_base import (
     triton,
     triton_unavailable,
 )
-
-MAX_HEAD_DIM = 256
 
 
 @jit(do_not_specialize=["offset", "q_len"])  # they change with every chunk: one compile
@@ -56,24 +60,13 @@ def _prefill_kernel(
     for start in range(0, end, TILE):
         pos = start + offs
         live = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=live, other=0)
-        token = block.to(tl.int64) * c_sn + (pos % BLOCK_SIZE) * c_st + kvh * c_sh
-        kv_ok = live[:, None] & d_ok[None, :]
-        # Masked loads, not masked scores alone: a slot past the length may hold NaN.
-        k = tl.load(k_cache + token[:, None] + d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_cache + token[:, None] + d[None, :], mask=kv_ok, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v = paged_kv_tile(
+            k_cache, v_cache, table, pos, live, d, d_ok, kvh, c_sn, c_st, c_sh, BLOCK_SIZE, UPCAST
+        )
         s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * scale_log2
+        # Finite somewhere in each row: the first tile holds position 0, which every query sees.
         s = tl.where(live[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
-        # Finite: the first tile holds position 0, which every query sees.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = as_operand(p, dtype, UPCAST)
-        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc, dtype, UPCAST, PRECISION)
     o = as_operand(acc / l_i[:, None], dtype, UPCAST)
     tl.store(out + rows[:, None] * o_st + head * o_sh + d[None, :], o.to(dtype), mask=q_ok)
 
@@ -97,12 +90,7 @@ def paged_prefill_attention(
     _, block_size, kv_heads, _ = k_cache.shape
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads over {kv_heads} KV heads: not a whole group")
-    if k_cache.shape[-1] != dim or dim > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {dim} (cache {k_cache.shape[-1]}): need equal, <= 256")
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError("k_cache and v_cache must be alike: shapes and strides")
-    if k_cache.stride(-1) != 1 or q.dtype != k_cache.dtype:
-        raise ValueError("the cache must be contiguous in head_dim, in q's dtype")
+    check_paged_cache(q, k_cache, v_cache)
     if not 0 < q_len <= ctx_len or block_table.numel() * block_size < ctx_len:
         raise ValueError(f"{q_len} queries of {ctx_len} tokens over {block_table.numel()} blocks")
     if q.stride(-1) != 1:
