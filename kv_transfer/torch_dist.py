@@ -37,6 +37,7 @@ Every operation runs on the pair's own CUDA stream (kv_transfer/streams.py).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -90,24 +91,55 @@ def completed_by(probe, deadline: float, clock=None, sleep=None) -> bool:
     return True
 
 
-def reap(pg, guard: threading.Lock, name: str) -> threading.Event:
-    """Abort `pg` on a thread of its own, holding `guard` (no probe of the group runs beside
-    the abort); the event is set once the abort has returned or raised. An abort may wait for
-    the device's streams (ncclCommAbort does), so nobody who must keep time makes one, and
-    one that hangs holds up no other pair's."""
+# Aborts still running on reapers. A process that exits while a daemon thread is inside the
+# abort's or the group's destructor's C++ frames dies with SIGABRT ("terminate called without
+# an active exception": the thread is unwound when it asks for the GIL back), so exit waits
+# for them, up to a bound.
+_REAPING: set[threading.Event] = set()
+_REAPING_LOCK = threading.Lock()
+EXIT_WAIT_S = 10.0
+
+
+def reap(held: list, guard: threading.Lock, name: str) -> threading.Event:
+    """Abort the group in `held` (a list with its only reference) on a thread of its own,
+    holding `guard` (no probe of the group runs beside the abort); the event is set once the
+    abort has returned or raised and the reaper has dropped the group (gloo's destructor joins
+    its threads, so it runs here too). An abort may wait for the device's streams
+    (ncclCommAbort does), so nobody who must keep time makes one, and one that hangs holds up
+    no other pair's."""
     done = threading.Event()
+    with _REAPING_LOCK:
+        _REAPING.add(done)
 
     def run() -> None:
         try:
             with guard:
-                pg.abort()
+                held[0].abort()
         except Exception:  # the group is being dropped either way
             log.debug("abort of pair group %s raised", name, exc_info=True)
         finally:
+            held.clear()
+            with _REAPING_LOCK:
+                _REAPING.discard(done)
             done.set()
 
     threading.Thread(target=run, name=f"kv-reaper {name}", daemon=True).start()
     return done
+
+
+def wait_for_reapers(timeout_s: float = EXIT_WAIT_S) -> bool:
+    """Whether every abort on a reaper returned within timeout_s; run at exit."""
+    deadline = time.monotonic() + timeout_s
+    with _REAPING_LOCK:
+        pending = list(_REAPING)
+    for done in pending:
+        if not done.wait(max(0.0, deadline - time.monotonic())):
+            log.warning("exiting with %d pair group aborts still running", len(_REAPING))
+            return False
+    return True
+
+
+atexit.register(wait_for_reapers)
 
 
 def group_timeout(timeout_s: float) -> datetime.timedelta:
@@ -310,9 +342,9 @@ class PairGroup(KVChannel):
             if self._closed:
                 return
             self._closed = True
-            pg, self.pg = self.pg, None
-            if pg is not None and hasattr(pg, "abort"):
-                self._aborted = reap(pg, self._guard, self.prefix)
+            held, self.pg = [self.pg], None  # the reaper drops the last reference
+            if held[0] is not None and hasattr(held[0], "abort"):
+                self._aborted = reap(held, self._guard, self.prefix)
 
 
 def _nccl_group(store: dist.Store, rank: int, timeout_s: float):

@@ -4,8 +4,12 @@ its deadline even while the communicator's abort blocks (as ncclCommAbort does b
 kernel, NVIDIA/nccl#829); the abort runs on the reaper, never on the waiting thread; and a
 quarantine's `settle` returns, so its blocks go back, only once the abort has."""
 
+import subprocess
+import sys
 import threading
 import time
+import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -199,3 +203,50 @@ def test_a_failed_operation_raises_from_the_poll_and_is_aborted_on_the_reaper():
         g.wait(g.post_recv(torch.zeros(4)), 5.0)
     g.settle([], timeout_s=5.0)
     assert pg.abort_threads == ["kv-reaper pair/p/1"]
+
+
+def test_the_reaper_drops_the_group_before_the_quarantine_may_settle():
+    """The group's destructor (gloo's joins its threads) runs on the reaper, never on the
+    thread that closed the pair, and before settle returns."""
+    pg = SlowAbortGroup(abort_s=0.2, work_cls=DoneWork)
+    dropped_on = []
+    weakref.finalize(pg, lambda: dropped_on.append(threading.current_thread().name))
+    g = pair(pg)
+    del pg
+    g.close()
+    assert dropped_on == []  # the abort still runs: the reaper holds the group
+    g.settle([], timeout_s=5.0)
+    assert dropped_on == ["kv-reaper pair/p/1"]
+
+
+EXITS_AFTER_A_STALLED_WAIT = """
+import sys, threading, torch
+sys.path.insert(0, {root!r})
+from kv_transfer.torch_dist import PairGroup, store_client, store_server
+server = store_server("127.0.0.1")
+box = {{}}
+peer = threading.Thread(target=lambda: box.setdefault("g", PairGroup(
+    store_client("127.0.0.1", server.port, 10), "p/1", 0, torch.device("cpu"), "127.0.0.1", 10)))
+peer.start()
+g = PairGroup(server, "p/1", 1, torch.device("cpu"), "127.0.0.1", 10)
+peer.join()
+try:
+    g.wait(g.post_recv(torch.zeros(4)), 0.5)  # the peer never sends
+except Exception as e:
+    print("RAISED", type(e).__name__)
+"""  # and exits at once, while the reaper aborts and drops the group
+
+
+@pytest.mark.timeout(120)
+def test_a_process_that_exits_while_its_reaper_runs_exits_cleanly():
+    """A worker that exits right after a failed transfer must not die of SIGABRT in gloo's
+    destructor, on a daemon thread unwound at interpreter shutdown."""
+    root = str(Path(__file__).resolve().parents[2])
+    for _ in range(3):  # the race was lost nearly every time; three tries catch a return
+        p = subprocess.run(
+            [sys.executable, "-c", EXITS_AFTER_A_STALLED_WAIT.format(root=root)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert (p.returncode, p.stdout.strip()) == (0, "RAISED TransferError"), p.stderr
