@@ -257,24 +257,25 @@ def _judge(name, pairs, tol, t0, what) -> Result:
 
 def check_sampler(dev: torch.device) -> Result:
     """Identical logits and parameters draw identical tokens on both devices."""
-    from workers.engine.sampler import SamplingTensors, sample
+    from workers.engine.sampler import FilterPlan, SamplingTensors, row_uniforms, sample
 
     t0 = time.perf_counter()
     rows, vocab = 64, SMOLLM2.vocab_size
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(rows, vocab, generator=g) * 3
     r = torch.arange(rows)
+    top_k = torch.where(r % 5 == 1, 40, 0).tolist()
+    top_p = torch.where(r % 3 == 2, 0.9, 1.0).tolist()
 
     def tensors(d):
         col = lambda v, dt=torch.float32: v.to(device=d, dtype=dt)  # noqa: E731
         return SamplingTensors(
             temperature=col(torch.where(r % 4 == 0, 0.0, 0.5 + (r % 3) * 0.3)),
-            top_k=col(torch.where(r % 5 == 1, 40, 0), torch.long),
-            top_p=col(torch.where(r % 3 == 2, 0.9, 1.0)),
-            seeds=col(r * 1_000_003 + 11, torch.long),
-            counters=col(r % 17, torch.long),
+            top_k=col(torch.tensor(top_k), torch.long),
+            top_p=col(torch.tensor(top_p)),
+            uniforms=col(torch.from_numpy(row_uniforms(r * 1_000_003 + 11, r % 17)), torch.float64),
             all_greedy=False,
-            any_filter=True,
+            filters=FilterPlan.of(top_k, top_p, vocab, sort_all=d.type == "cuda"),
             want_logprobs=True,
             min_p=col(torch.where(r % 7 == 3, 0.05, 0.0)),
             top_logprobs=5,

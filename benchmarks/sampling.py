@@ -37,7 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.common import RESULTS, log, print_table  # noqa: E402
-from workers.engine.sampler import _MASK32, SamplingTensors, _fmix32, sample  # noqa: E402
+from workers.engine.sampler import (  # noqa: E402
+    _MASK32,
+    FilterPlan,
+    SamplingTensors,
+    row_uniforms,
+    sample,
+)
 
 VOCAB = 49152
 MODES = {"greedy": (0.0, 0, 1.0), "temperature 1": (1.0, 0, 1.0), "top_k 50": (1.0, 50, 1.0)}
@@ -52,17 +58,28 @@ STEP_MODES["logit_bias + min_tokens"] = dict(logit_bias={2: -5.0, 198: 2.0}, min
 STEP_MODES["top_logprobs 5"] = dict(logprobs=True, top_logprobs=5)
 
 
+SEED, COUNTER = 1234, 7  # row i draws with seed SEED + i at output index COUNTER
+
+
 def tensors(n: int, temperature: float, top_k: int, top_p: float) -> SamplingTensors:
     return SamplingTensors(
         temperature=torch.full((n,), temperature),
         top_k=torch.full((n,), top_k, dtype=torch.long),
         top_p=torch.full((n,), top_p),
-        seeds=torch.arange(n, dtype=torch.long) + 1234,
-        counters=torch.full((n,), 7, dtype=torch.long),
+        uniforms=torch.from_numpy(row_uniforms(range(SEED, SEED + n), [COUNTER] * n)),
         all_greedy=temperature == 0,
-        any_filter=top_k > 0 or top_p < 1,
+        filters=FilterPlan.of([top_k] * n, [top_p] * n, VOCAB),
         want_logprobs=False,
     )
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's finaliser on int64 tensors, as the replaced design hashed on the device."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
 
 
 def previous_sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -71,7 +88,7 @@ def previous_sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     if t.all_greedy:
         return logits.argmax(dim=-1)
     scaled = logits / t.temperature[:, None]
-    if t.any_filter:
+    if t.filters is not None:
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         ranks = torch.arange(scaled.shape[-1])
         k = torch.where(t.top_k > 0, t.top_k, torch.full_like(t.top_k, scaled.shape[-1]))
@@ -83,8 +100,9 @@ def previous_sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
             -1, order, sorted_logits.masked_fill(drop, float("-inf"))
         )
     vocab_ids = torch.arange(scaled.shape[-1], dtype=torch.int64)
-    s = _fmix32((t.seeds & _MASK32) ^ _fmix32((t.seeds >> 32) & _MASK32))
-    row = _fmix32(s ^ _fmix32((t.counters * 0x9E3779B1) & _MASK32))
+    seeds = torch.arange(SEED, SEED + len(logits), dtype=torch.long)
+    s = _fmix32((seeds & _MASK32) ^ _fmix32((seeds >> 32) & _MASK32))
+    row = _fmix32(s ^ _fmix32((torch.full_like(seeds, COUNTER) * 0x9E3779B1) & _MASK32))
     x = _fmix32((row[:, None] + vocab_ids[None, :] * 0x27D4EB2F) & _MASK32)
     u = ((_fmix32(x ^ (row[:, None] >> 7)) >> 9).float() + 0.5) * (1.0 / 8388608.0)
     return (scaled.softmax(dim=-1) / -torch.log(u)).argmax(dim=-1)

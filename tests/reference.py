@@ -37,8 +37,10 @@ def hf_logits(model, prompt_ids: list[int]) -> torch.Tensor:
 @torch.inference_mode()
 def engine_logits(engine, prompt_ids: list[int]) -> torch.Tensor:
     """Teacher-forced logits at every position, through the engine's paged-cache path."""
+    from workers.engine.model_runner import StepMetadata
     from workers.engine.request import SamplingParams
     from workers.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+    from workers.engine.step_io import StepInputs
 
     pool = engine.pool
     blocks = pool.allocate(-(-len(prompt_ids) // pool.block_size))
@@ -49,7 +51,9 @@ def engine_logits(engine, prompt_ids: list[int]) -> torch.Tensor:
         runner = engine.runner
         out = SchedulerOutput(prefills=[sched])
         slots = runner._slots(blocks, 0, len(prompt_ids))
-        meta = runner._metadata(out, slots)
+        inputs = StepInputs(runner.device)
+        step = StepMetadata(out, slots, inputs)
+        meta = step.build(inputs.send())
         hidden = runner.model(
             torch.tensor(prompt_ids),
             torch.arange(len(prompt_ids)),

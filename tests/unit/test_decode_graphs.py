@@ -81,8 +81,10 @@ def test_padding_rows_never_touch_a_request_block(tiny_llama_dir):
         layer[:null].fill_(3.0)
     graphs = engine.runner.graphs
     # Three real rows in a bucket of four: row 3 is padding.
-    hidden = graphs.run([1, 2, 3], [0, 0, 0], [0, 4, 8], [[0], [1], [2]], [1, 1, 1])
-    assert hidden.shape[0] == 3
+    cols = graphs.padded([1, 2, 3], [0, 0, 0], [0, 4, 8], [[0], [1], [2]], [1, 1, 1])
+    assert cols[3][3] == [null] and cols[4][3] == 1  # the padding row: null block, length 1
+    hidden = graphs.run(*(torch.tensor(c) for c in cols))
+    assert hidden.shape[0] == 4
     for layer in engine.runner.kv_layers:
         assert torch.all(layer[3:null] == 3.0)  # blocks 0..2 took the three real rows
     run_engine(engine, [[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))

@@ -1,7 +1,9 @@
+import numpy as np
 import pytest
 import torch
 
 from workers.engine.sampler import (
+    FilterPlan,
     SamplingTensors,
     _apply_filters,
     row_uniforms,
@@ -9,18 +11,29 @@ from workers.engine.sampler import (
 )
 
 
-def tensors(n, temperature=1.0, top_k=0, top_p=1.0, seeds=None, counters=None, logprobs=False):
-    t = torch.full((n,), float(temperature))
+def uniforms(seeds, counters) -> torch.Tensor:
+    return torch.from_numpy(row_uniforms(seeds, counters))
+
+
+def tensors(
+    n, temperature=1.0, top_k=0, top_p=1.0, seeds=None, counters=None, logprobs=False, vocab=49152
+):
+    seeds = seeds if seeds is not None else list(range(n))
     return SamplingTensors(
-        temperature=t,
+        temperature=torch.full((n,), float(temperature)),
         top_k=torch.full((n,), top_k, dtype=torch.long),
         top_p=torch.full((n,), float(top_p)),
-        seeds=torch.tensor(seeds if seeds is not None else list(range(n)), dtype=torch.long),
-        counters=torch.tensor(counters if counters is not None else [0] * n, dtype=torch.long),
+        uniforms=uniforms(seeds, counters if counters is not None else [0] * n),
         all_greedy=temperature == 0,
-        any_filter=top_k > 0 or top_p < 1,
+        filters=FilterPlan.of([top_k] * n, [top_p] * n, vocab),
         want_logprobs=logprobs,
     )
+
+
+def filters(logits, top_k, top_p, sort_all=False):
+    """_apply_filters with the plan the runner makes from the rows' parameters."""
+    plan = FilterPlan.of(top_k.tolist(), top_p.tolist(), logits.shape[-1], sort_all)
+    return _apply_filters(logits, top_k, top_p, plan) if plan is not None else logits
 
 
 def test_greedy_is_argmax_with_its_logprob():
@@ -33,13 +46,24 @@ def test_greedy_is_argmax_with_its_logprob():
 
 def test_uniforms_are_uniform_and_a_pure_function_of_seed_and_counter():
     seeds = torch.arange(200_000, dtype=torch.long)
-    u = row_uniforms(seeds, torch.full_like(seeds, 3))
-    assert torch.equal(u, row_uniforms(seeds.clone(), torch.full_like(seeds, 3)))
-    assert not torch.equal(u, row_uniforms(seeds, torch.full_like(seeds, 4)))
+    u = uniforms(seeds, torch.full_like(seeds, 3))
+    assert torch.equal(u, uniforms(seeds.clone(), torch.full_like(seeds, 3)))
+    assert not torch.equal(u, uniforms(seeds, torch.full_like(seeds, 4)))
     assert abs(u.mean().item() - 0.5) < 0.005 and abs(u.var().item() - 1 / 12) < 0.002
     # Uniform over the unit interval: every one of 100 bins holds about 1% of the draws.
     counts = torch.histc(u.float(), bins=100, min=0, max=1)
     assert counts.min() > 1600 and counts.max() < 2400
+
+
+def test_uniforms_on_the_host_are_the_draws_seeded_requests_always_had():
+    """The hash moved from device kernels to NumPy on the host: the same bits, so a seeded
+    request draws what it drew before (values from the device version, as hex floats)."""
+    seeds = [0, 1, 42, 2**63 - 1, 1234567890123456789]
+    counters = [0, 7, 3, 4098, 1 << 20]
+    want = ["0x1.0e9a2p-34", "0x1.a5f875187a46cp-3", "0x1.127b0682af03bp-1"]
+    want += ["0x1.4608404332ac9p-1", "0x1.2e156c0d75a38p-4"]
+    got = row_uniforms(np.array(seeds, dtype=np.uint64), counters)
+    assert [float.hex(float(u)) for u in got] == [float.hex(float.fromhex(w)) for w in want]
 
 
 def test_uniforms_never_reach_zero_or_one_over_millions_of_pairs():
@@ -48,7 +72,7 @@ def test_uniforms_never_reach_zero_or_one_over_millions_of_pairs():
     for start in range(0, 5_000_000, 1_000_000):
         i = torch.arange(start, start + 1_000_000, dtype=torch.long)
         seeds = i * 0x9E3779B97F4A7C15 + (1 << 40)  # wraps: negative seeds too
-        u = row_uniforms(seeds, i % 4099)
+        u = uniforms(seeds, i % 4099)
         assert 0 < u.min().item() and u.max().item() < 1
         k = u * 2.0**53
         assert torch.equal(k, k.round()) and bool((k.long() % 2 == 1).all())
@@ -101,15 +125,16 @@ def filter_rows(scale: float):
     return logits, top_k, top_p
 
 
+@pytest.mark.parametrize("sort_all", [False, True])  # the CPU's plan, and a GPU's
 @pytest.mark.parametrize("scale", [3.0, 0.05])  # peaked, and so flat the nucleus is wide
-def test_candidate_filters_keep_the_nucleus_and_leave_unfiltered_rows_whole(scale):
+def test_candidate_filters_keep_the_nucleus_and_leave_unfiltered_rows_whole(scale, sort_all):
     """top-k / top-p from each row's best candidates keep what a float64 sort of the whole
     vocabulary keeps (ties at the cut included); a nucleus wider than the candidates (the
     flat rows) falls back to the full sort; a row with no filter keeps every token. Checked
     with 1,024 candidates (no wide top-k in the batch) and with 3,000."""
     logits, top_k, top_p = filter_rows(scale)
     for rows in ([0, 1, 2, 4, 5], [0, 1, 2, 3, 4, 5]):
-        got = _apply_filters(logits[rows], top_k[rows], top_p[rows])
+        got = filters(logits[rows], top_k[rows], top_p[rows], sort_all)
         for g, r in zip(got, rows):
             if r == 2:
                 assert torch.equal(g, logits[2])  # no filter on that row: nothing masked
@@ -124,13 +149,15 @@ def test_candidate_filters_keep_the_nucleus_and_leave_unfiltered_rows_whole(scal
 @pytest.mark.parametrize("scale", [3.0, 0.05])
 def test_a_filtered_row_masks_and_draws_the_same_whatever_its_batch(scale):
     """A row's filters and draw depend on it alone: the same row, alone and batched with rows
-    that widen the candidates or force the full sort, is masked and sampled the same."""
+    that widen the candidates or force the full sort, is masked and sampled the same; and the
+    same whether the plan asks the device (a CPU's) or sorts at once (a GPU's)."""
     logits, top_k, top_p = filter_rows(scale)
     for r in (0, 1, 3, 4, 5):
-        alone = _apply_filters(logits[r : r + 1], top_k[r : r + 1], top_p[r : r + 1])[0]
+        alone = filters(logits[r : r + 1], top_k[r : r + 1], top_p[r : r + 1])[0]
         for batch in ([r, 2], [r, 1], [r, 3], [r, 0], [0, 1, 2, 3, 4, 5]):
-            got = _apply_filters(logits[batch], top_k[batch], top_p[batch])[batch.index(r)]
-            assert torch.equal(got, alone), (r, batch)
+            for sort_all in (False, True):
+                got = filters(logits[batch], top_k[batch], top_p[batch], sort_all)
+                assert torch.equal(got[batch.index(r)], alone), (r, batch, sort_all)
         t = tensors(1, top_k=int(top_k[r]), top_p=float(top_p[r]), seeds=[9], counters=[4])
         drawn = sample(logits[r : r + 1], t).token_ids[0]
         batch = [0, 1, 2, 3, 4, 5]
@@ -138,10 +165,9 @@ def test_a_filtered_row_masks_and_draws_the_same_whatever_its_batch(scale):
             temperature=torch.ones(6),
             top_k=top_k,
             top_p=top_p,
-            seeds=torch.full((6,), 9, dtype=torch.long),
-            counters=torch.full((6,), 4, dtype=torch.long),
+            uniforms=uniforms([9] * 6, [4] * 6),
             all_greedy=False,
-            any_filter=True,
+            filters=FilterPlan.of(top_k.tolist(), top_p.tolist(), logits.shape[-1]),
             want_logprobs=False,
         )
         assert sample(logits[batch], tb).token_ids[r] == drawn
@@ -165,12 +191,12 @@ def test_sampling_follows_the_distribution():
 
 def test_top_k_and_top_p_restrict_the_support():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).expand(2000, 5).contiguous()
-    k2 = sample(logits, tensors(2000, top_k=2, seeds=list(range(2000)))).token_ids
+    k2 = sample(logits, tensors(2000, top_k=2, seeds=list(range(2000)), vocab=5)).token_ids
     assert set(k2.tolist()) == {0, 1}
     # softmax: [0.636, 0.234, 0.086, ...]: top_p=0.8 keeps the first two.
-    p = sample(logits, tensors(2000, top_p=0.8, seeds=list(range(2000)))).token_ids
+    p = sample(logits, tensors(2000, top_p=0.8, seeds=list(range(2000)), vocab=5)).token_ids
     assert set(p.tolist()) == {0, 1}
-    tiny = sample(logits[:50], tensors(50, top_p=0.01, seeds=list(range(50)))).token_ids
+    tiny = sample(logits[:50], tensors(50, top_p=0.01, seeds=list(range(50)), vocab=5)).token_ids
     assert set(tiny.tolist()) == {0}  # the most likely token always stays
 
 

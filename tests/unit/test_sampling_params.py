@@ -11,9 +11,9 @@ from transformers import (
 )
 
 from cluster.requests_file import parse_request
-from workers.engine.model_runner import sampling_tensors
 from workers.engine.request import SamplingParams
 from workers.engine.sampler import adjust_logits, apply_min_p, sample
+from workers.engine.sampling_inputs import sampling_tensors
 from workers.engine.scheduler_output import ScheduledRequest
 
 VOCAB = 300

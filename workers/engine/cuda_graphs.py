@@ -112,6 +112,7 @@ class DecodeGraphs:
         self.tables = torch.full((max_batch, max_blocks), null_block, **long)
         self.lens = torch.ones(max_batch, **long)
         self.graphs: dict[int, tuple[GraphCapture, torch.Tensor]] = {}
+        self._width = max_blocks  # columns of `tables` that may hold a real block id
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -126,41 +127,53 @@ class DecodeGraphs:
         """The captured size a batch of this many decodes runs in, or None (too big)."""
         return next((b for b in sorted(self.graphs) if b >= batch), None)
 
-    @torch.inference_mode()
-    def run(
+    def padded(
         self,
         input_ids: list[int],
         positions: list[int],
         slots: list[int],
         tables: list[list[int]],
         lens: list[int],
-    ) -> torch.Tensor:
-        """Hidden states of a decode step of len(input_ids) rows (at most the largest
-        bucket), each row's block table no wider than max_blocks."""
-        n = len(input_ids)
-        size = self.bucket(n)
-        graph, out = self.graphs[size]
-        dev = self.input_ids.device
-        self.input_ids[:n].copy_(torch.tensor(input_ids, device=dev))
-        self.positions[:n].copy_(torch.tensor(positions, device=dev))
-        self.slots[:n].copy_(torch.tensor(slots, device=dev))
-        self.lens[:n].copy_(torch.tensor(lens, device=dev))
+    ) -> tuple[list[int], list[int], list[int], list[list[int]], list[int]]:
+        """A decode step's columns (at most the largest bucket's rows, each block table no
+        wider than max_blocks), padded to its bucket: each padding row one token at position
+        0 in the null block; the tables to their widest row, with the null block."""
+        pad = self.bucket(len(input_ids)) - len(input_ids)
         width = max(len(t) for t in tables)
-        padded = [t + [self.null_block] * (width - len(t)) for t in tables]
-        self.tables[:n, :width].copy_(torch.tensor(padded, device=dev))
-        self.tables[:n, width:].fill_(self.null_block)
-        self._pad(n, size)
-        graph.replay()
-        return out[:n]
+        null, slot = self.null_block, self.null_block * self.block_size
+        return (
+            input_ids + [0] * pad,
+            positions + [0] * pad,
+            slots + [slot] * pad,
+            [t + [null] * (width - len(t)) for t in tables] + [[null] * width] * pad,
+            lens + [1] * pad,
+        )
 
-    def _pad(self, start: int, end: int) -> None:
-        """Rows [start, end) of the bucket: one token at position 0 in the null block."""
-        if end > start:
-            self.input_ids[start:end].zero_()
-            self.positions[start:end].zero_()
-            self.slots[start:end].fill_(self.null_block * self.block_size)
-            self.tables[start:end].fill_(self.null_block)
-            self.lens[start:end].fill_(1)
+    @torch.inference_mode()
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Hidden states of a decode step from `padded`'s columns, on the device: copied into
+        the graph's buffers on the device (no wait for the host), then replayed."""
+        size, width = tables.shape
+        graph, out = self.graphs[size]
+        self.input_ids[:size].copy_(input_ids)
+        self.positions[:size].copy_(positions)
+        self.slots[:size].copy_(slots)
+        self.lens[:size].copy_(lens)
+        self.tables[:size, :width].copy_(tables)
+        # Columns past a row's own blocks are never read; past `width`, older (wider) steps
+        # left block ids that name real blocks: cleared when the width shrinks.
+        if width < self._width:
+            self.tables[:, width : self._width].fill_(self.null_block)
+        self._width = width
+        graph.replay()
+        return out
 
     def _forward(self, size: int) -> torch.Tensor:
         meta = AttentionMetadata(

@@ -14,14 +14,17 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kv_transfer.layout import KVLayout
 from workers.engine.cuda_graphs import DecodeGraphs, GraphCapture
 from workers.engine.grammar import GrammarMasks
 from workers.engine.request import choice_id, choice_seed
-from workers.engine.sampler import Penalties, SamplingTensors, sample
+from workers.engine.sampler import sample
+from workers.engine.sampling_inputs import SamplingColumns
 from workers.engine.scheduler_output import SampledToken, ScheduledRequest, SchedulerOutput
+from workers.engine.step_io import StepInputs, fetch
 from workers.model.attention import AttentionMetadata, PrefillSlice, select_backend
 from workers.model.llama import LlamaForCausalLM
 
@@ -82,6 +85,9 @@ class ModelRunner:
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype_name
         )
         self.graphs: DecodeGraphs | None = None
+        # A GPU's step never waits for the device to decide what to run next (sampler.py's
+        # FilterPlan); on a CPU, waiting costs nothing and a cheaper path may be taken.
+        self.sync_free = device.type != "cpu"
         # Set by the engine once a constrained request arrives; the helper thread that builds
         # the masks starts with the first such step.
         self.grammar: GrammarMasks | None = None
@@ -111,16 +117,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, layer_done=None) -> list[SampledToken]:
-        """One step; `layer_done(i)`, if given, is called as each layer has written its KV."""
-        if out.block_copies:
-            self.copy_blocks(out.block_copies)
+        """One step; `layer_done(i)`, if given, is called as each layer has written its KV.
+
+        Its inputs reach the device in one copy (step_io.py) and its sampled tokens come back
+        in one; nothing on the way waits for the device until those tokens are read."""
         scheduled = out.scheduled
         input_ids, positions, slots = [], [], []
         for s in scheduled:
             input_ids += s.token_ids
             positions += range(s.start_position, s.context_len)
             slots += self._slots(s.block_ids, s.start_position, s.context_len)
-        dev = self.device
         rows, samplers, offset = [], [], 0
         for s in scheduled:
             offset += s.num_tokens
@@ -133,29 +139,46 @@ class ModelRunner:
         # Constrained rows' masks are built on a helper thread while the model runs.
         masks = self._start_masks(samplers)
         try:
-            if self._replays(out, layer_done):
+            inputs = StepInputs(self.device)
+            copies = [inputs.add([c[i] for c in out.block_copies]) for i in (0, 1)]
+            replay = self._replays(out, layer_done)
+            if replay:
                 tables = [s.block_ids for s in out.decodes]
                 lens = [s.context_len for s in out.decodes]
-                hidden = self.graphs.run(input_ids, positions, slots, tables, lens)
+                graph_cols = self.graphs.padded(input_ids, positions, slots, tables, lens)
+                step = [inputs.add(c) for c in graph_cols]
             else:
-                hidden = self._forward(
-                    torch.tensor(input_ids, dtype=torch.long, device=dev),
-                    torch.tensor(positions, dtype=torch.long, device=dev),
-                    self._metadata(out, slots),
-                    layer_done,
-                )
+                step = [inputs.add(input_ids), inputs.add(positions)]
+                meta = StepMetadata(out, slots, inputs)
+            row_col = inputs.add(rows)
+            vocab = self.model.cfg.vocab_size
+            sampling = SamplingColumns(inputs, samplers, vocab, self.sync_free) if rows else None
+            cols = inputs.send()
+            if out.block_copies:
+                self.copy_blocks(*(cols[i] for i in copies))
+            if replay:
+                hidden = self.graphs.run(*(cols[i] for i in step))
+            else:
+                ids, pos = (cols[i] for i in step)
+                hidden = self._forward(ids, pos, meta.build(cols), layer_done)
             if not rows:
                 return []
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)])
-            t = sampling_tensors(samplers, logits.shape[-1], dev)
+            logits = self.model.compute_logits(hidden.index_select(0, cols[row_col]))
+            t = sampling.tensors(cols)
             if masks is not None:
                 filled = masks.result()
                 t.allowed = (
-                    torch.tensor(filled.rows, dtype=torch.long, device=dev),
+                    torch.tensor(filled.rows, dtype=torch.long, device=self.device),
                     self.grammar.allowed(filled, logits.shape[-1]),
                 )
             result = sample(logits, t)
-            ids = result.token_ids.tolist()
+            back = [result.token_ids]
+            if result.logprobs is not None:
+                back.append(result.logprobs)
+            if result.top_ids is not None:
+                back += [result.top_ids, result.top_logprobs]
+            got = fetch(back).wait()
+            ids = got[0][:, 0].astype(np.int64).tolist()
             if masks is not None:
                 for s, tok in zip(samplers, ids):
                     if s.sampling.constraint is not None:
@@ -163,13 +186,11 @@ class ModelRunner:
         finally:  # a step that raised leaves no fill running beside the next one
             if masks is not None:
                 masks.exception()
-        lps = result.logprobs.tolist() if result.logprobs is not None else [None] * len(ids)
+        lps = got[1][:, 0].tolist() if result.logprobs is not None else [None] * len(ids)
         tops = [None] * len(ids)
         if result.top_ids is not None:
-            tops = [
-                tuple(zip(t, v))
-                for t, v in zip(result.top_ids.tolist(), result.top_logprobs.tolist())
-            ]
+            top_ids, top_lps = got[2].astype(np.int64).tolist(), got[3].tolist()
+            tops = [tuple(zip(t, v)) for t, v in zip(top_ids, top_lps)]
         return [
             SampledToken(
                 s.request_id,
@@ -204,10 +225,8 @@ class ModelRunner:
             and self.graphs.bucket(len(out.decodes)) is not None
         )
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: each (source, destination) pair, in every layer's K and V."""
-        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy-on-write: block src[i] to dst[i], in every layer's K and V."""
         for layer in self.kv_layers:  # K and V of a block together
             layer.index_copy_(0, dst, layer.index_select(0, src))
 
@@ -241,30 +260,40 @@ class ModelRunner:
         bs = self.block_size
         return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _metadata(self, out: SchedulerOutput, slots: list[int]) -> AttentionMetadata:
-        dev = self.device
-        decode_tables = decode_lens = None
-        host_lens = tuple(s.context_len for s in out.decodes)
+
+class StepMetadata:
+    """The attention metadata of an eager step, its tensors queued as columns of the step's
+    inputs (`build` reads them back once sent): the decodes' block tables, padded to the
+    widest, and context lengths; each prefill's block table; every row's KV slot."""
+
+    def __init__(self, out: SchedulerOutput, slots: list[int], inputs: StepInputs) -> None:
+        self.out = out
+        self.lens = tuple(s.context_len for s in out.decodes)
+        self.slots = inputs.add(slots)
+        self.decode = None
         if out.decodes:
             width = max(len(s.block_ids) for s in out.decodes)
-            # One tensor from padded lists, not one small tensor per sequence per step.
             padded = [s.block_ids + [0] * (width - len(s.block_ids)) for s in out.decodes]
-            decode_tables = torch.tensor(padded, dtype=torch.long, device=dev)
-            decode_lens = torch.tensor([s.context_len for s in out.decodes], device=dev)
-        prefills, row = [], len(out.decodes)
-        for s in out.prefills:
-            table = torch.tensor(s.block_ids, dtype=torch.long, device=dev)
+            self.decode = (inputs.add(padded), inputs.add(self.lens))
+        self.prefill_tables = [inputs.add(s.block_ids) for s in out.prefills]
+
+    def build(self, cols: list[torch.Tensor]) -> AttentionMetadata:
+        tables = lens = None
+        if self.decode is not None:
+            tables, lens = (cols[i] for i in self.decode)
+        prefills, row = [], len(self.out.decodes)
+        for s, table in zip(self.out.prefills, self.prefill_tables):
             out_rows = min(s.num_tokens, max(0, s.context_len - len(s.prompt_ids)))
-            prefills.append(PrefillSlice(row, s.num_tokens, s.context_len, table, out_rows))
+            prefills.append(PrefillSlice(row, s.num_tokens, s.context_len, cols[table], out_rows))
             row += s.num_tokens
         return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode_tokens=len(out.decodes),
-            decode_block_tables=decode_tables,
-            decode_context_lens=decode_lens,
+            slot_mapping=cols[self.slots],
+            num_decode_tokens=len(self.out.decodes),
+            decode_block_tables=tables,
+            decode_context_lens=lens,
             prefills=prefills,
-            decode_lens_host=host_lens,
-            max_decode_len=max(host_lens, default=0),
+            decode_lens_host=self.lens,
+            max_decode_len=max(self.lens, default=0),
         )
 
 
@@ -285,56 +314,3 @@ def fork_row(s: ScheduledRequest, index: int) -> ScheduledRequest:
         seed=choice_seed(s.seed, index),
         forks=(),
     )
-
-
-def sampling_tensors(reqs: list[ScheduledRequest], vocab: int, dev) -> SamplingTensors:
-    """The batch's sampling parameters as tensors; the optional parts only when a row uses
-    them, so that a plain batch pays for none."""
-    params = [s.sampling for s in reqs]
-
-    def col(values, dtype=torch.float32):
-        return torch.tensor(values, dtype=dtype, device=dev)
-
-    t = SamplingTensors(
-        temperature=col([p.temperature for p in params]),
-        top_k=col([max(p.top_k, 0) for p in params], torch.long),
-        top_p=col([p.top_p for p in params]),
-        seeds=col([s.seed & (2**63 - 1) for s in reqs], torch.long),
-        counters=col([s.num_output_tokens for s in reqs], torch.long),
-        all_greedy=all(p.greedy for p in params),
-        any_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
-        want_logprobs=any(p.logprobs for p in params),
-        top_logprobs=max(p.top_logprobs for p in params),
-    )
-    if any(p.min_p > 0 for p in params):
-        t.min_p = col([p.min_p for p in params])
-    edits = []  # (row, token id, value)
-    for i, s in enumerate(reqs):
-        sp = s.sampling
-        edits += [(i, token, bias) for token, bias in sp.logit_bias if token < vocab]
-        if s.num_output_tokens < sp.min_tokens:
-            # A constrained row's grammar alone says where EOS may come.
-            free = sp.ignore_eos or sp.constraint is not None
-            banned = set(sp.stop_token_ids) | (set() if free else set(s.eos_token_ids))
-            edits += [(i, token, float("-inf")) for token in sorted(banned) if token < vocab]
-    if edits:
-        rows, cols, values = zip(*edits)
-        t.logit_edits = (col(rows, torch.long), col(cols, torch.long), col(values))
-    penalized = [i for i, p in enumerate(params) if p.penalized]
-    if penalized:
-        # Token counts over each penalized row's output, and which tokens its prompt holds.
-        counts = torch.zeros((len(penalized), vocab), dtype=torch.float32, device=dev)
-        in_prompt = torch.zeros((len(penalized), vocab), dtype=torch.bool, device=dev)
-        for r, i in enumerate(penalized):
-            out = col(reqs[i].output_ids[: reqs[i].num_output_tokens], torch.long)
-            counts[r].index_add_(0, out, torch.ones_like(out, dtype=torch.float32))
-            in_prompt[r, col(reqs[i].prompt_ids, torch.long)] = True
-        t.penalties = Penalties(
-            rows=col(penalized, torch.long),
-            presence=col([params[i].presence_penalty for i in penalized]),
-            frequency=col([params[i].frequency_penalty for i in penalized]),
-            repetition=col([params[i].repetition_penalty for i in penalized]),
-            output_counts=counts,
-            in_prompt=in_prompt,
-        )
-    return t

@@ -15,19 +15,30 @@ per-request generator loop is needed. The uniform is (2k + 1) / 2**53 for a 52-b
 in float64, never 0 or 1, so a token of probability 0 (outside top-k or top-p) is never
 drawn.
 
+The uniforms are computed on the host (`row_uniforms`, in NumPy) and reach the device with
+the step's other inputs: one small column instead of a hundred tiny kernels per step.
+
 Top-k and top-p look at each row's best candidates (`topk`), not a sort of the whole
 vocabulary; a row whose nucleus is wider than the candidates falls back to the full sort.
+What the filters need to know ahead (how many candidates, whether a sort may be needed) is
+planned on the host from the rows' parameters (`FilterPlan`), so that a step on a GPU never
+waits for the device to decide; there, a batch with an uncapped nucleus sorts at once rather
+than asking whether the candidates sufficed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from workers.engine.request import GREEDY_BELOW
 
 _MASK32 = 0xFFFFFFFF
+# Top-p looks at this many best candidates first; a row whose nucleus is wider sorts all.
+_CANDIDATES = 1024
 
 
 @dataclass
@@ -42,15 +53,38 @@ class Penalties:
     in_prompt: torch.Tensor  # [R, V] bool
 
 
+@dataclass(frozen=True)
+class FilterPlan:
+    """What top-k and top-p need to know before they run, from the rows' host-side values."""
+
+    width: int  # candidates each row's cut is looked for among
+    any_uncut: bool  # some row's top-k cuts nothing: it is normalised over its whole row
+    nucleus_only: bool  # some row has top-p < 1 and no top-k: its cut may lie past `width`
+    sort_all: bool  # such a batch sorts whole rows at once (no device-side check first)
+
+    @classmethod
+    def of(
+        cls, top_k: Sequence[int], top_p: Sequence[float], vocab: int, sort_all: bool = False
+    ) -> FilterPlan | None:
+        """The plan for these rows (top_k <= 0: none), or None when no row filters.
+        `sort_all`: never ask the device whether the candidates sufficed (a GPU's step)."""
+        ks = [k if 0 < k < vocab else vocab for k in top_k]
+        if all(k >= vocab and p >= 1 for k, p in zip(ks, top_p)):
+            return None
+        nucleus_only = any(k >= vocab and p < 1 for k, p in zip(ks, top_p))
+        widest_k = max((k for k in ks if k < vocab), default=1)
+        width = min(vocab, max(widest_k, _CANDIDATES if nucleus_only else 1))
+        return cls(width, any(k >= vocab for k in ks), nucleus_only, sort_all)
+
+
 @dataclass
 class SamplingTensors:
     temperature: torch.Tensor  # [N] float; 0 for greedy rows
     top_k: torch.Tensor  # [N] int64; 0 disables
     top_p: torch.Tensor  # [N] float; 1 disables
-    seeds: torch.Tensor  # [N] int64
-    counters: torch.Tensor  # [N] int64: index of the token being drawn
+    uniforms: torch.Tensor  # [N] float64: each row's draw, `row_uniforms` of its seed and index
     all_greedy: bool
-    any_filter: bool
+    filters: FilterPlan | None  # None: no row sets top-k or top-p
     want_logprobs: bool
     min_p: torch.Tensor | None = None  # [N] float, when some row sets it; 0 disables
     top_logprobs: int = 0  # the most alternatives any row asks for
@@ -70,33 +104,39 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [N, top_logprobs] float
 
 
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    # murmur3's finaliser on values kept in [0, 2^32) inside int64: products may wrap past
-    # 2^63, but the low 32 bits, which are all we keep, stay exact.
-    x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & _MASK32
-    x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & _MASK32
-    return x ^ (x >> 16)
+def _fmix32(x: np.ndarray) -> np.ndarray:
+    # murmur3's finaliser on uint64 values kept in [0, 2^32): products wrap past 2^64, but the
+    # low 32 bits, which are all we keep, stay exact.
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint64(16))
+        x = (x * np.uint64(0x85EBCA6B)) & np.uint64(_MASK32)
+        x = x ^ (x >> np.uint64(13))
+        x = (x * np.uint64(0xC2B2AE35)) & np.uint64(_MASK32)
+        return x ^ (x >> np.uint64(16))
 
 
-def row_uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """[N] float64 uniforms, a pure function of (seed, counter): (2k + 1) / 2**53 for a
-    52-bit k from two independent 32-bit hashes of them. 2k + 1 < 2**53 is exact in
-    float64, so every value lies in [2**-53, 1 - 2**-53]: never 0 or 1."""
-    lo32, hi32 = seeds & _MASK32, (seeds >> 32) & _MASK32
-    c = _fmix32((counters * 0x9E3779B1) & _MASK32)
+def row_uniforms(seeds: Sequence[int], counters: Sequence[int]) -> np.ndarray:
+    """[N] float64 uniforms, a pure function of (seed, counter), computed on the host: (2k +
+    1) / 2**53 for a 52-bit k from two independent 32-bit hashes of them. 2k + 1 < 2**53 is
+    exact in float64, so every value lies in [2**-53, 1 - 2**-53]: never 0 or 1. Seeds are
+    taken modulo 2**64 (a negative seed as its two's complement)."""
+    seeds = np.asarray(seeds).astype(np.uint64)
+    counters = np.asarray(counters).astype(np.uint64)
+    m = np.uint64(_MASK32)
+    lo32, hi32 = seeds & m, (seeds >> np.uint64(32)) & m
+    with np.errstate(over="ignore"):
+        c = _fmix32((counters * np.uint64(0x9E3779B1)) & m)
     a = _fmix32(_fmix32(lo32 ^ _fmix32(hi32)) ^ c)
-    b = _fmix32(_fmix32(hi32 ^ _fmix32(lo32 ^ 0x27D4EB2F)) ^ _fmix32(c ^ 0x165667B1))
-    k = (a << 20) | (b >> 12)  # 32 + 20 bits
-    return (k.double() * 2.0 + 1.0) * 2.0**-53
+    b = _fmix32(
+        _fmix32(hi32 ^ _fmix32(lo32 ^ np.uint64(0x27D4EB2F))) ^ _fmix32(c ^ np.uint64(0x165667B1))
+    )
+    k = (a << np.uint64(20)) | (b >> np.uint64(12))  # 32 + 20 bits
+    return (k.astype(np.float64) * 2.0 + 1.0) * 2.0**-53
 
 
-# Top-p looks at this many best candidates first; a row whose nucleus is wider sorts all.
-_CANDIDATES = 1024
-
-
-def _apply_filters(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
+def _apply_filters(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, plan: FilterPlan
+) -> torch.Tensor:
     """Mask everything outside each row's top-k and top-p nucleus to -inf: top-p within the
     top-k, renormalized; the most likely token always stays; a token tied with the last one
     kept stays too. Each row's cut is a logit threshold computed in float64 from its own
@@ -105,19 +145,19 @@ def _apply_filters(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
     unfiltered = (k >= vocab) & (top_p >= 1)
-    # Enough candidates for every row's top-k, and for a nucleus not cut by a top-k.
-    nucleus_only = bool(((k >= vocab) & (top_p < 1)).any())
-    widest_k = int(k[k < vocab].max()) if bool((k < vocab).any()) else 1
-    width = min(vocab, max(widest_k, _CANDIDATES if nucleus_only else 1))
-    vals = logits.topk(width, dim=-1).values
     # A row its top-k does not cut is normalized over the whole row, computed once here so
     # that the candidates and a full sort place the same cut.
     uncut = k >= vocab
-    whole = logits.double().logsumexp(dim=-1) if bool(uncut.any()) else None
-    thr, settled = _cut(vals, k, top_p, uncut, whole)
-    # A row whose nucleus reaches past the candidates: only a full sort places its cut.
-    if not bool((settled | unfiltered).all()):
+    whole = logits.double().logsumexp(dim=-1) if plan.any_uncut else None
+    if plan.nucleus_only and plan.sort_all:
         thr, _ = _cut(logits.sort(dim=-1, descending=True).values, k, top_p, uncut, whole)
+    else:
+        vals = logits.topk(plan.width, dim=-1).values
+        thr, settled = _cut(vals, k, top_p, uncut, whole)
+        # A row whose nucleus reaches past the candidates: only a full sort places its cut.
+        # Rows with a top-k are always settled (width covers it): ask only for the others.
+        if plan.nucleus_only and not bool((settled | unfiltered).all()):
+            thr, _ = _cut(logits.sort(dim=-1, descending=True).values, k, top_p, uncut, whole)
     thr = thr.masked_fill(unfiltered, float("-inf"))
     return logits.masked_fill(logits < thr[:, None], float("-inf"))
 
@@ -207,12 +247,12 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         scaled = logits / temp[:, None]
         if t.min_p is not None:
             scaled = apply_min_p(scaled, t.min_p)
-        if t.any_filter:
-            scaled = _apply_filters(scaled, t.top_k, t.top_p)
+        if t.filters is not None:
+            scaled = _apply_filters(scaled, t.top_k, t.top_p, t.filters)
         cdf = scaled.softmax(dim=-1).double().cumsum(dim=-1)
         # The first token whose cumulative mass exceeds u * total: one of positive
         # probability, since u * total lies strictly inside (0, total).
-        target = row_uniforms(t.seeds, t.counters) * cdf[:, -1]
+        target = t.uniforms * cdf[:, -1]
         drawn = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
         drawn = drawn.clamp(max=logits.shape[-1] - 1)  # NaN logits: a bad id, not a crash
         token_ids = torch.where(greedy, greedy_ids, drawn)
