@@ -20,8 +20,8 @@ from tests.unit import triton_checks
 # group); D=80 pads to 128 in the kernel.
 HEADS = [(2, 2, 64), (9, 3, 80), (8, 2, 64), (16, 1, 128)]
 # Per block size: one token, exactly one block, several whole blocks, a partial last block,
-# and past one 64-token tile.
-LENS = {1: [1, 3, 70], 4: [1, 4, 12, 70], 16: [1, 16, 48, 64, 70], 256: [1, 256, 300, 530]}
+# past one 64-token tile, and past one split (SPLIT_TOKENS, 256: merged across splits).
+LENS = {1: [1, 3, 70], 4: [1, 4, 12, 70, 300], 16: [1, 16, 48, 64, 70], 256: [1, 256, 300, 530]}
 # (atol, rtol). fp32: ieee dot, no tf32 rounding. bf16: the output is rounded to nearest bf16
 # (up to 2^-8 relative), and so is p before p @ v (the rest: found up to 2.0e-3).
 TOL = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (4e-3, 2**-8)}
@@ -107,7 +107,7 @@ def check_batch_invariance(device: str) -> None:
     """A row alone, its table cut to its own blocks, gives the bits it gives in a batch."""
     from workers.model.attention.triton_decode import paged_decode_attention
 
-    lens = [70, 1, 33, 16, 5, 64, 17, 2]
+    lens = [70, 1, 33, 600, 16, 5, 64, 257, 17, 2]  # two rows of three and two splits
     for dtype, block_size, (heads, kv_heads, dim) in [
         (torch.bfloat16, 16, HEADS[1]),
         (torch.float32, 4, HEADS[2]),
@@ -119,6 +119,17 @@ def check_batch_invariance(device: str) -> None:
             tables = tables[:, : -(-n // block_size)]
             alone = paged_decode_attention(q, k_cache, v_cache, tables, row_lens, c.scale)
             assert torch.equal(alone, batch[row : row + 1]), f"{dtype}: row {row} differs alone"
+
+
+def check_long_rows(device: str) -> None:
+    """Past MAX_SPLITS splits of SPLIT_TOKENS, a row's splits grow (4,200 tokens: 14 splits
+    of 320); beside rows of one split and of two, against the reference."""
+    from workers.model.attention.triton_decode import paged_decode_attention
+
+    c = paged_case(torch.bfloat16, 16, *HEADS[1], [4200, 1, 300], 5, device)
+    got = paged_decode_attention(*c.args(), c.scale)
+    err = excess_error(got, c)
+    assert err <= 0, f"long rows: error {err:.3g} past the tolerance {TOL[torch.bfloat16]}"
 
 
 def check_out_in_place(device: str) -> None:
@@ -145,6 +156,7 @@ def check_first_launch(device: str) -> None:
 CHECKS = {
     "reference": check_reference,
     "batch_invariance": check_batch_invariance,
+    "long_rows": check_long_rows,
     "out_in_place": check_out_in_place,
     "first_launch": check_first_launch,
 }

@@ -190,14 +190,15 @@ class CountingOps(TorchLayerOps):
 
 
 class CountingAttention:
-    """A paged attention backend's one launch (the Triton decode kernel, or flash-attn)."""
+    """A paged attention backend's launches, at most two: the Triton decode kernel, and its
+    merge of a long row's splits (or flash-attn's one)."""
 
     def __init__(self, launches: Launches) -> None:
         self.launches = launches
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         assert meta.kv_written, "the fused ops wrote the KV: the backend must not"
-        self.launches.ops.append("attention")
+        self.launches.ops += ["attention", "attention-merge"]
         with torch.utils._python_dispatch._disable_current_modes():
             return torch.empty_like(q)
 
@@ -234,7 +235,7 @@ def test_a_decoder_layer_on_the_cuda_ops_launches_at_most_twelve_kernels():
             delta, x, positions, rope, CountingAttention(launches), cache[:, 0], cache[:, 1], meta
         )
     kinds = sorted(launches.ops)
-    assert len(kinds) <= 12, kinds  # 9: four matmuls, two norms, rotary+KV, attention, SiLU
+    assert len(kinds) <= 12, kinds  # 10: four matmuls, two norms, rotary+KV, attention (2), SiLU
     matmuls = sum(kinds.count(k) for k in ("mm", "addmm", "linear"))
     assert matmuls == 4, kinds  # qkv, o, gate_up, down
     assert {"triton:add_rms_norm", "triton:rotary_write_kv", "triton:silu_and_mul"} <= set(kinds)

@@ -2,10 +2,17 @@
 its block table names, for CUDA machines without flash-attn.
 
 The contract is the CPU kernel's (csrc/paged_attention_cpu.cpp `paged_decode_attention`) and
-`TorchAttentionBackend._decode`'s. One program per (row, KV head) walks its own row's length,
-read from `context_lens` on the device: no host sync, no data-dependent shape, so the launch
-can be captured in a CUDA graph; and no tile size or loop bound depends on the batch, so a
-row comes out the same bits whatever shares its batch.
+`TorchAttentionBackend._decode`'s. Each row's length is read from `context_lens` on the
+device: no host sync, no data-dependent shape, so the launch can be captured in a CUDA graph.
+
+Flash-decoding: a row's context is cut into splits of SPLIT_TOKENS tokens (more where a
+row's length would need more than MAX_SPLITS), one program per (row, KV head, split), so that
+a batch of few rows at long contexts still fills the GPU (one row of an 8B model has 8 KV
+heads; an H200 has 132 SMs). A row of one split writes its output directly, exactly as an
+unsplit kernel would; a longer row's splits write their partial outputs and log-sum-exps,
+which a second kernel merges in split order. How a row is split depends on its own length
+alone, never on the batch or the grid: a row comes out the same bits whatever shares its
+batch.
 """
 
 from __future__ import annotations
@@ -31,40 +38,92 @@ from workers.model.triton_base import (
 )
 
 GROUP_PAD = 16  # tl.dot wants M >= 16: a query group is padded to 16 rows (the kernel's 16)
+SPLIT_TOKENS = 256  # a split's tokens (a multiple of every tile): 16 splits fill 128 SMs at 4k
+MAX_SPLITS = 16  # past SPLIT_TOKENS * MAX_SPLITS tokens, a row's splits grow instead
+
+
+@jit
+def _split_len(length, TILE: tl.constexpr, SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """Tokens per split of a row of `length` tokens: SPLIT, or more (whole tiles) so that
+    the row needs at most MAX_SPLITS. A function of the length alone."""
+    per = tl.cdiv(tl.cdiv(length, MAX_SPLITS), TILE) * TILE
+    return tl.maximum(per, SPLIT)
 
 
 @jit
 def _decode_kernel(
-    q, k_cache, v_cache, tables, lens, out, scale_log2,
+    q, k_cache, v_cache, tables, lens, out, part_o, part_lse, scale_log2,
     q_sb, q_sh, c_sn, c_st, c_sh, t_sb, o_sb, o_sh,
     GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIM_P: tl.constexpr,
-    TILE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    TILE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
 ):  # fmt: skip
-    row, kvh = tl.program_id(0), tl.program_id(1)
-    g, d, offs = tl.arange(0, 16), tl.arange(0, DIM_P), tl.arange(0, TILE)
-    d_ok = d < DIM
-    head = kvh * GROUP + g
-    q_ok = (g < GROUP)[:, None] & d_ok[None, :]
-    qg = tl.load(q + row * q_sb + head[:, None] * q_sh + d[None, :], mask=q_ok, other=0.0)
-    if UPCAST:
-        qg = qg.to(tl.float32)
-    dtype = out.dtype.element_ty
-    m_i = tl.full([16], float("-inf"), tl.float32)
-    l_i = tl.zeros([16], tl.float32)
-    acc = tl.zeros([16, DIM_P], tl.float32)
+    row, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(lens + row)
-    for start in range(0, length, TILE):
-        pos = start + offs
-        live = pos < length
-        k, v = paged_kv_tile(
-            k_cache, v_cache, tables + row * t_sb, pos, live, d, d_ok, kvh, c_sn, c_st, c_sh,
-            BLOCK_SIZE, UPCAST,
-        )  # fmt: skip
-        s = tl.dot(qg, tl.trans(k), input_precision=PRECISION) * scale_log2
-        s = tl.where(live[None, :], s, float("-inf"))  # every tile has a live position
-        m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc, dtype, UPCAST, PRECISION)
-    o = as_operand(acc / l_i[:, None], dtype, UPCAST)
-    tl.store(out + row * o_sb + head[:, None] * o_sh + d[None, :], o.to(dtype), mask=q_ok)
+    per = _split_len(length, TILE, SPLIT, MAX_SPLITS)
+    first = split * per
+    if (first < length) | (split == 0):  # past the row's last split: nothing to do
+        g, d, offs = tl.arange(0, 16), tl.arange(0, DIM_P), tl.arange(0, TILE)
+        d_ok = d < DIM
+        head = kvh * GROUP + g
+        q_ok = (g < GROUP)[:, None] & d_ok[None, :]
+        qg = tl.load(q + row * q_sb + head[:, None] * q_sh + d[None, :], mask=q_ok, other=0.0)
+        if UPCAST:
+            qg = qg.to(tl.float32)
+        dtype = out.dtype.element_ty
+        m_i = tl.full([16], float("-inf"), tl.float32)
+        l_i = tl.zeros([16], tl.float32)
+        acc = tl.zeros([16, DIM_P], tl.float32)
+        end = tl.minimum(first + per, length)
+        for start in range(first, end, TILE):
+            pos = start + offs
+            live = pos < end
+            k, v = paged_kv_tile(
+                k_cache, v_cache, tables + row * t_sb, pos, live, d, d_ok, kvh, c_sn, c_st,
+                c_sh, BLOCK_SIZE, UPCAST,
+            )  # fmt: skip
+            s = tl.dot(qg, tl.trans(k), input_precision=PRECISION) * scale_log2
+            s = tl.where(live[None, :], s, float("-inf"))  # every tile has a live position
+            m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc, dtype, UPCAST, PRECISION)
+        if length <= per:  # the row's only split: its output, as an unsplit kernel writes it
+            o = as_operand(acc / l_i[:, None], dtype, UPCAST)
+            tl.store(out + row * o_sb + head[:, None] * o_sh + d[None, :], o.to(dtype), mask=q_ok)
+        else:  # a partial output in fp32 and its log2-sum-exp, for the merge
+            at = (row * tl.num_programs(1) + kvh) * MAX_SPLITS + split
+            tl.store(part_o + (at * 16 + g[:, None]) * DIM_P + d[None, :], acc / l_i[:, None])
+            tl.store(part_lse + at * 16 + g, m_i + tl.log2(l_i))
+
+
+@jit
+def _merge_kernel(
+    lens, out, part_o, part_lse, o_sb, o_sh,
+    GROUP: tl.constexpr, DIM: tl.constexpr, DIM_P: tl.constexpr, TILE: tl.constexpr,
+    SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Each split row's partial outputs, weighted by their share of its softmax, in split
+    order; rows of one split were written whole by the decode kernel."""
+    row, kvh = tl.program_id(0), tl.program_id(1)
+    length = tl.load(lens + row)
+    per = _split_len(length, TILE, SPLIT, MAX_SPLITS)
+    splits = tl.cdiv(length, per)
+    if splits > 1:
+        g, d = tl.arange(0, 16), tl.arange(0, DIM_P)
+        base = (row * tl.num_programs(1) + kvh) * MAX_SPLITS
+        top = tl.full([16], float("-inf"), tl.float32)
+        for i in range(0, splits):
+            top = tl.maximum(top, tl.load(part_lse + (base + i) * 16 + g))
+        total = tl.zeros([16], tl.float32)
+        acc = tl.zeros([16, DIM_P], tl.float32)
+        for i in range(0, splits):
+            w = tl.exp2(tl.load(part_lse + (base + i) * 16 + g) - top)
+            o = tl.load(part_o + ((base + i) * 16 + g[:, None]) * DIM_P + d[None, :])
+            acc += o * w[:, None]
+            total += w
+        head = kvh * GROUP + g
+        ok = (g < GROUP)[:, None] & (d < DIM)[None, :]
+        dtype = out.dtype.element_ty
+        o = as_operand(acc / total[:, None], dtype, UPCAST)
+        tl.store(out + row * o_sb + head[:, None] * o_sh + d[None, :], o.to(dtype), mask=ok)
 
 
 def triton_refusal(
@@ -143,12 +202,34 @@ def paged_decode_attention(
     # The interpreter multiplies bfloat16 dot operands as raw bits (triton-lang/triton#11584):
     # there, operands go in as fp32 holding the values a GPU would feed its tensor cores.
     upcast = interpreting()
-    _decode_kernel[(batch, kv_heads)](
-        q, k_cache, v_cache, block_tables, context_lens, out, scale * math.log2(math.e),
+    # The grid covers the longest row the tables can address (a shape, so a graph's launch
+    # fits every replay); programs past a row's own splits return at once.
+    reach = block_tables.shape[1] * block_size
+    splits = min(MAX_SPLITS, max(1, -(-reach // SPLIT_TOKENS)))
+    # Never written where no row can span two splits (but always fp32: one compiled kernel).
+    part_o = part_lse = torch.empty(1, dtype=torch.float32, device=q.device)
+    if splits > 1:
+        part_o = torch.empty(
+            batch, kv_heads, MAX_SPLITS, 16, dim_p, dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            batch, kv_heads, MAX_SPLITS, 16, dtype=torch.float32, device=q.device
+        )
+    sizes = dict(
+        GROUP=group, DIM=dim, DIM_P=dim_p, TILE=tile, SPLIT=SPLIT_TOKENS, MAX_SPLITS=MAX_SPLITS
+    )
+    _decode_kernel[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse,
+        scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, DIM=dim, BLOCK_SIZE=block_size, DIM_P=dim_p, TILE=tile,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=upcast,
+        BLOCK_SIZE=block_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=upcast, **sizes,
         num_warps=warps, enable_fp_fusion=True,  # fusion pinned: 3.10 changes the default
     )  # fmt: skip
+    if splits > 1:
+        _merge_kernel[(batch, kv_heads)](
+            context_lens, out, part_o, part_lse, out.stride(0), out.stride(1), UPCAST=upcast,
+            **sizes, num_warps=4, enable_fp_fusion=True,
+        )  # fmt: skip
     return out
