@@ -13,6 +13,9 @@ vLLM its engine core in its own process, as by default). A run's figure is the m
 
 Prefill: one prompt of P fresh tokens submitted alone; the time to its first token.
 
+Scheduler: Tandem's scheduler alone, a decode step with --scheduler-rows running (256 by
+default; schedule() and update_from_output() on hand-made tokens, no model), in microseconds.
+
 Each system runs in its own process on the same --threads cores: vLLM's model worker is bound
 to them (by default vLLM keeps one core of the machine for its scheduler process, which on two
 cores leaves its model one thread; --vllm-default-binding measures it so). The tables give
@@ -244,6 +247,50 @@ def worker_main(system: str) -> None:
 
 
 # -- the orchestrator --------------------------------------------------------------------------
+def scheduler_cost(rows: int, steps: int, runs: int) -> dict:
+    """The scheduler's own cost of a decode step with `rows` running (schedule() and
+    update_from_output(), hand-made sampled tokens; no model), in the benchmark's process:
+    median microseconds a step over `steps` steps, per run."""
+    from workers.engine.block_pool import BlockPool
+    from workers.engine.config import SchedulerConfig
+    from workers.engine.request import Request, SamplingParams
+    from workers.engine.scheduler import Scheduler
+    from workers.engine.scheduler_output import SampledToken
+
+    runs_us = []
+    for run in range(runs):
+        prompt_len = 512  # fresh tokens a row, so no prefix is shared
+        pool = BlockPool(rows * ((prompt_len + 8 * steps) // 16 + 2), 16, True)
+        cfg = SchedulerConfig(max_num_seqs=rows, max_num_batched_tokens=rows * 16, watermark=0.0)
+        sched = Scheduler(cfg, pool)
+        sp = SamplingParams(max_tokens=8 * steps, ignore_eos=True)  # none ends while timed
+        for i in range(rows):
+            prompt = [
+                1 + (run * rows * prompt_len + i * prompt_len + j) % 40000
+                for j in range(prompt_len)
+            ]
+            sched.add_request(Request(f"r{i}", prompt, sp, eos_token_ids=(0,)))
+        timed = []
+        for _ in range(rows * prompt_len // 16 + 2 * steps + 100):  # prefills, then decodes
+            t0 = time.perf_counter()
+            out = sched.schedule()
+            sampled = [SampledToken(r.request_id, 7) for r in out.scheduled if r.sample]
+            sched.update_from_output(out, sampled)
+            if not out.prefills and len(out.decodes) == rows:  # every row decoding
+                timed.append((time.perf_counter() - t0) * 1e6)
+                if len(timed) == steps:
+                    break
+        else:
+            raise RuntimeError(f"the scheduler never ran {steps} steps of {rows} decodes")
+        runs_us.append(statistics.median(timed))
+    return {
+        "rows": rows,
+        "steps": steps,
+        "runs_us": runs_us,
+        "median_us": statistics.median(runs_us),
+    }
+
+
 def run_system(system: str, job: dict, vllm_python: Path, timeout: float) -> dict:
     from benchmarks.common import run_worker, vllm_env
 
@@ -322,6 +369,12 @@ def main() -> None:
         action="store_true",
         help="leave vLLM's worker on its own default cores (all but one) instead of --threads",
     )
+    p.add_argument(
+        "--scheduler-rows",
+        type=int,
+        default=256,
+        help="rows running in the scheduler-cost table (0: none)",
+    )
     p.add_argument("--systems", default="tandem,vllm,vllm-eager")
     p.add_argument("--vllm-python", type=Path, default=None)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per system")
@@ -367,6 +420,8 @@ def main() -> None:
     )
     vllm_python = args.vllm_python or DEFAULT_VLLM_PYTHON
     results = {s: run_system(s, job, vllm_python, args.timeout) for s in systems}
+    if args.scheduler_rows > 0:
+        results["scheduler"] = scheduler_cost(args.scheduler_rows, args.steps, args.runs)
 
     def ratio(value: float, ref: float | None) -> str:
         return f"{value / ref:.2f}x" if ref else "-"
@@ -376,6 +431,8 @@ def main() -> None:
     ref_prefill = {r["tokens"]: r["median_ms"] for r in vllm.get("prefill", [])}
     decode_rows, prefill_rows = [], []
     for name, res in results.items():
+        if name == "scheduler":
+            continue
         if "decode" not in res:
             why = res.get("skipped") or res.get("error", "")[:60]
             decode_rows.append([name, "-", "-", "-", "-", why])
@@ -405,6 +462,21 @@ def main() -> None:
     if prefill_rows:
         print()
         print_table(["system", "prompt", "prefill ms", "of vllm", "runs"], prefill_rows)
+    if "scheduler" in results:
+        r = results["scheduler"]
+        print()
+        print_table(
+            ["scheduler", "rows running", "step p50 us", "us a row", "runs"],
+            [
+                [
+                    "tandem",
+                    r["rows"],
+                    f"{r['median_us']:.0f}",
+                    f"{r['median_us'] / r['rows']:.2f}",
+                    " ".join(f"{x:.0f}" for x in r["runs_us"]),
+                ]
+            ],
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {k: v for k, v in job.items() if k != "model_dir"}
     out.write_text(json.dumps({"config": meta, "results": results}, indent=2))
