@@ -252,8 +252,13 @@ class PairGroup(KVChannel):
         store.wait([f"joined/{self.peer}"], datetime.timedelta(seconds=timeout_s))
         with self.streams.using(self.stream):
             probe = torch.zeros(1, device=self.device)
-            op = self.pg.send if self.rank == 0 else self.pg.recv
-            self.wait(op([probe], self.peer, 0), timeout_s)
+            # Called inline: a bound method kept in this frame (held by a failed wait's
+            # traceback) would keep the group alive past the reaper.
+            if self.rank == 0:
+                work = self.pg.send([probe], self.peer, 0)
+            else:
+                work = self.pg.recv([probe], self.peer, 0)
+            self.wait(work, timeout_s)
 
     def post_send(self, tensor):
         return self._post(lambda: self.pg.send([tensor], self.peer, 0), "send")

@@ -123,10 +123,11 @@ def check_batch_invariance(device: str) -> None:
 
 def check_long_rows(device: str) -> None:
     """Past MAX_SPLITS splits of SPLIT_TOKENS, a row's splits grow (4,200 tokens: 14 splits
-    of 320); beside rows of one split and of two, against the reference."""
+    of 320); beside rows of one split, of three, and on either side of a split's end and of
+    the 16th split's (512/513, 4,096/4,097), against the reference."""
     from workers.model.attention.triton_decode import paged_decode_attention
 
-    c = paged_case(torch.bfloat16, 16, *HEADS[1], [4200, 1, 300], 5, device)
+    c = paged_case(torch.bfloat16, 16, *HEADS[1], [4200, 1, 300, 512, 513, 4096, 4097], 5, device)
     got = paged_decode_attention(*c.args(), c.scale)
     err = excess_error(got, c)
     assert err <= 0, f"long rows: error {err:.3g} past the tolerance {TOL[torch.bfloat16]}"
@@ -179,21 +180,29 @@ def test_compiled_on_cuda() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: needs a CUDA GPU")
-def test_cuda_graph_replay_follows_new_lengths() -> None:
-    """Captured once, replayed after the lengths and queries change in place on the device."""
+@pytest.mark.parametrize(
+    "written, captured, replayed",
+    [
+        ([70, 17, 33], [70, 5, 33], [64, 17, 1]),  # one split a row: row 1 grew
+        ([600, 17, 33], [5, 17, 33], [600, 17, 1]),  # row 0 grew from one split to three
+    ],
+)
+def test_cuda_graph_replay_follows_new_lengths(written, captured, replayed) -> None:
+    """Captured once, replayed after the lengths and queries change in place on the device;
+    a row that grows past a split is merged by the captured merge launch."""
     pytest.importorskip("triton", reason="triton is not installed: no kernel to test")
     from workers.model.attention.triton_decode import paged_decode_attention
 
-    # Every token the replay reads is written (the rest are NaN): 70, 17 and 33 of them.
-    c = paged_case(torch.bfloat16, 16, *HEADS[1], [70, 17, 33], 11, "cuda")
-    c.lens.copy_(torch.tensor([70, 5, 33]))  # captured at these lengths
+    # Every token the replay reads is written (the rest are NaN).
+    c = paged_case(torch.bfloat16, 16, *HEADS[1], written, 11, "cuda")
+    c.lens.copy_(torch.tensor(captured))
     out = torch.empty(c.q.shape, dtype=c.q.dtype, device="cuda")
     paged_decode_attention(*c.args(), c.scale, out=out)  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         paged_decode_attention(*c.args(), c.scale, out=out)
-    c.lens.copy_(torch.tensor([64, 17, 1]))  # replayed at these: row 1 grew
+    c.lens.copy_(torch.tensor(replayed))
     c.q.copy_(torch.randn(c.q.shape, device="cuda").to(c.q.dtype))
     graph.replay()
     torch.cuda.synchronize()

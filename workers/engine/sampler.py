@@ -69,6 +69,7 @@ class FilterPlan:
         """The plan for these rows (top_k <= 0: none), or None when no row filters.
         `sort_all`: never ask the device whether the candidates sufficed (a GPU's step)."""
         ks = [k if 0 < k < vocab else vocab for k in top_k]
+        top_p = [float(np.float32(p)) for p in top_p]  # as the device holds them
         if all(k >= vocab and p >= 1 for k, p in zip(ks, top_p)):
             return None
         nucleus_only = any(k >= vocab and p < 1 for k, p in zip(ks, top_p))
@@ -115,13 +116,21 @@ def _fmix32(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(16))
 
 
+def _uint64(values) -> np.ndarray:
+    """Integers modulo 2**64, as uint64 (an integer array's two's complement as it is)."""
+    if isinstance(values, torch.Tensor):
+        values = values.cpu().numpy()
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iu":
+        return values.astype(np.uint64)
+    return np.array([int(v) & 0xFFFFFFFFFFFFFFFF for v in values], dtype=np.uint64)
+
+
 def row_uniforms(seeds: Sequence[int], counters: Sequence[int]) -> np.ndarray:
     """[N] float64 uniforms, a pure function of (seed, counter), computed on the host: (2k +
     1) / 2**53 for a 52-bit k from two independent 32-bit hashes of them. 2k + 1 < 2**53 is
     exact in float64, so every value lies in [2**-53, 1 - 2**-53]: never 0 or 1. Seeds are
     taken modulo 2**64 (a negative seed as its two's complement)."""
-    seeds = np.asarray(seeds).astype(np.uint64)
-    counters = np.asarray(counters).astype(np.uint64)
+    seeds, counters = _uint64(seeds), _uint64(counters)
     m = np.uint64(_MASK32)
     lo32, hi32 = seeds & m, (seeds >> np.uint64(32)) & m
     with np.errstate(over="ignore"):

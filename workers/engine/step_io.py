@@ -29,7 +29,9 @@ _NUMPY = {
     torch.float64: np.float64,
     torch.bool: np.bool_,
 }
-_ALIGN = 8
+# Columns start 16 bytes apart: Triton compiles a kernel apart for pointers that are not
+# 16-byte aligned, and a step's layout must not pick which one runs (a compile mid-serving).
+_ALIGN = 16
 
 
 class StepInputs:

@@ -50,10 +50,11 @@ def _split_len(length, TILE: tl.constexpr, SPLIT: tl.constexpr, MAX_SPLITS: tl.c
     return tl.maximum(per, SPLIT)
 
 
-@jit
+# One compiled kernel whatever the split count (1 and 16 would each get their own).
+@jit(do_not_specialize=["n_splits"])
 def _decode_kernel(
     q, k_cache, v_cache, tables, lens, out, part_o, part_lse, scale_log2,
-    q_sb, q_sh, c_sn, c_st, c_sh, t_sb, o_sb, o_sh,
+    q_sb, q_sh, c_sn, c_st, c_sh, t_sb, o_sb, o_sh, n_splits,
     GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, DIM_P: tl.constexpr,
     TILE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
@@ -89,14 +90,17 @@ def _decode_kernel(
             o = as_operand(acc / l_i[:, None], dtype, UPCAST)
             tl.store(out + row * o_sb + head[:, None] * o_sh + d[None, :], o.to(dtype), mask=q_ok)
         else:  # a partial output in fp32 and its log2-sum-exp, for the merge
-            at = (row * tl.num_programs(1) + kvh) * MAX_SPLITS + split
-            tl.store(part_o + (at * 16 + g[:, None]) * DIM_P + d[None, :], acc / l_i[:, None])
-            tl.store(part_lse + at * 16 + g, m_i + tl.log2(l_i))
+            at = ((row * tl.num_programs(1) + kvh) * n_splits + split) * GROUP + g
+            mine = g < GROUP
+            tl.store(
+                part_o + at[:, None] * DIM_P + d[None, :], acc / l_i[:, None], mask=mine[:, None]
+            )
+            tl.store(part_lse + at, m_i + tl.log2(l_i), mask=mine)
 
 
-@jit
+@jit(do_not_specialize=["n_splits"])
 def _merge_kernel(
-    lens, out, part_o, part_lse, o_sb, o_sh,
+    lens, out, part_o, part_lse, o_sb, o_sh, n_splits,
     GROUP: tl.constexpr, DIM: tl.constexpr, DIM_P: tl.constexpr, TILE: tl.constexpr,
     SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
@@ -108,15 +112,18 @@ def _merge_kernel(
     splits = tl.cdiv(length, per)
     if splits > 1:
         g, d = tl.arange(0, 16), tl.arange(0, DIM_P)
-        base = (row * tl.num_programs(1) + kvh) * MAX_SPLITS
+        mine = g < GROUP
+        base = (row * tl.num_programs(1) + kvh) * n_splits
         top = tl.full([16], float("-inf"), tl.float32)
         for i in range(0, splits):
-            top = tl.maximum(top, tl.load(part_lse + (base + i) * 16 + g))
+            lse = tl.load(part_lse + (base + i) * GROUP + g, mask=mine, other=0.0)
+            top = tl.maximum(top, lse)
         total = tl.zeros([16], tl.float32)
         acc = tl.zeros([16, DIM_P], tl.float32)
         for i in range(0, splits):
-            w = tl.exp2(tl.load(part_lse + (base + i) * 16 + g) - top)
-            o = tl.load(part_o + ((base + i) * 16 + g[:, None]) * DIM_P + d[None, :])
+            at = (base + i) * GROUP + g
+            w = tl.exp2(tl.load(part_lse + at, mask=mine, other=0.0) - top)
+            o = tl.load(part_o + at[:, None] * DIM_P + d[None, :], mask=mine[:, None], other=0.0)
             acc += o * w[:, None]
             total += w
         head = kvh * GROUP + g
@@ -208,12 +215,12 @@ def paged_decode_attention(
     splits = min(MAX_SPLITS, max(1, -(-reach // SPLIT_TOKENS)))
     # Never written where no row can span two splits (but always fp32: one compiled kernel).
     part_o = part_lse = torch.empty(1, dtype=torch.float32, device=q.device)
-    if splits > 1:
-        part_o = torch.empty(
-            batch, kv_heads, MAX_SPLITS, 16, dim_p, dtype=torch.float32, device=q.device
+    if splits > 1:  # [batch, KV heads, splits, group, DIM_P]: 64 MiB at 8B's 256 x 8k
+        work = torch.empty(
+            batch * kv_heads * splits * group * (dim_p + 1), dtype=torch.float32, device=q.device
         )
-        part_lse = torch.empty(
-            batch, kv_heads, MAX_SPLITS, 16, dtype=torch.float32, device=q.device
+        part_o, part_lse = work.split(
+            [batch * kv_heads * splits * group * dim_p, batch * kv_heads * splits * group]
         )
     sizes = dict(
         GROUP=group, DIM=dim, DIM_P=dim_p, TILE=tile, SPLIT=SPLIT_TOKENS, MAX_SPLITS=MAX_SPLITS
@@ -222,14 +229,15 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse,
         scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), splits,
         BLOCK_SIZE=block_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=upcast, **sizes,
         num_warps=warps, enable_fp_fusion=True,  # fusion pinned: 3.10 changes the default
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(batch, kv_heads)](
-            context_lens, out, part_o, part_lse, out.stride(0), out.stride(1), UPCAST=upcast,
+            context_lens, out, part_o, part_lse, out.stride(0), out.stride(1), splits,
+            UPCAST=upcast,
             **sizes, num_warps=4, enable_fp_fusion=True,
         )  # fmt: skip
     return out
