@@ -81,7 +81,7 @@ def healed(cluster, pool: str, n: int) -> dict:
 
 
 def failures(cluster, results) -> list[str]:
-    recs = [cluster.run(cluster.store.get(r.request_id)) for r in results]
+    recs = [cluster.ended(r.request_id) for r in results]
     return [f for rec in recs for f in rec.failures]
 
 

@@ -78,6 +78,19 @@ class ClusterHarness:
     def store(self):
         return self.cluster.store
 
+    def ended(self, request_id: str, timeout_s: float = 30.0):
+        """The request's record once it is terminal (the router writes a request's records
+        behind its stream: a client may see the end before the store does), or the last one
+        seen past the timeout."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            rec = self.run(self.store.get(request_id))
+            if (rec is not None and rec.state.terminal) or time.monotonic() > deadline:
+                return rec
+            time.sleep(0.05)
+
     def wait_all_free(self, timeout_s: float = 30.0) -> dict:
         """Status once every worker's free blocks equal its total (G3), or the last one seen."""
         import time

@@ -83,7 +83,7 @@ def test_token_log_and_state_in_redis(cluster):
 
     [r] = cluster.generate_many([greedy("Name a colour.", 8)])
     store = cluster.store
-    rec = cluster.run(store.get(r.request_id))
+    rec = cluster.ended(r.request_id)
     assert rec.state is RecordState.FINISHED and rec.finish_reason == r.finish_reason
     assert rec.attempt == 1 and rec.failures == () and rec.decode == "decode-0"
     assert cluster.run(store.tokens(r.request_id)) == r.token_ids
@@ -319,7 +319,7 @@ def test_n_choices_share_one_prefill_and_push_and_equal_lone_requests(cluster, l
     # Each choice is a request of its own in the store: its record, its tokens.
     for r in results:
         cid = choice_id("n4", r.index)
-        rec = cluster.run(cluster.store.get(cid))
+        rec = cluster.ended(cid)
         assert rec.state is RecordState.FINISHED and rec.choices == 4 and rec.attempt == 1
         assert rec.sampling.n == 1 and rec.sampling.seed == 42 + r.index
         assert cluster.run(cluster.store.tokens(cid)) == r.token_ids
@@ -369,7 +369,7 @@ def test_cancel_ends_every_choice_and_frees_every_block(cluster):
     for w in s["prefill"] + s["decode"]:
         assert w["kv_blocks_free"] == w["kv_blocks_total"], w
     for i in range(3):
-        rec = cluster.run(cluster.store.get(choice_id("n3-cancel", i)))
+        rec = cluster.ended(choice_id("n3-cancel", i))
         assert rec.state is RecordState.CANCELLED
 
 

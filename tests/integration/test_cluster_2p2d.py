@@ -62,7 +62,7 @@ def test_greedy_streams_equal_the_offline_engine(
             assert w["kv_blocks_free"] == w["kv_blocks_total"], w
         assert s["router"]["mode"] == mode and router.status().queue_depth == 0
         # Both decode workers (and in disaggregated mode both prefill workers) were used.
-        recs = [h.run(h.store.get(r.request_id)) for r in results]
+        recs = [h.ended(r.request_id) for r in results]
         assert {rec.decode for rec in recs} == {"decode-0", "decode-1"}
         if mode == "disaggregated":
             assert {rec.prefill for rec in recs} == {"prefill-0", "prefill-1"}

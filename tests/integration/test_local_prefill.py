@@ -41,7 +41,7 @@ def test_short_requests_prefill_on_their_decode_worker_and_long_ones_do_not(clus
     for r, tokens in zip(results, want):
         assert r.status == "OK", r.error
         assert r.token_ids == tokens  # G4, whichever worker prefilled it
-        rec = cluster.run(cluster.store.get(r.request_id))
+        rec = cluster.ended(r.request_id)
         local = len(rec.prompt_ids) <= LOCAL_MAX
         kinds.append(local)
         assert rec.prefill == ("" if local else prefill.name), (rec.prefill, len(rec.prompt_ids))
@@ -63,7 +63,7 @@ def test_a_short_request_with_n_choices_forks_on_its_decode_worker(cluster):
     results = cluster.run(cluster.client.generate_choices(to_proto(req, "local-n2"), timeout_s=120))
     assert [r.index for r in results] == [0, 1]
     assert all(r.status == "OK" and r.token_ids == want for r in results)
-    rec = cluster.run(cluster.store.get("local-n2#1"))
+    rec = cluster.ended("local-n2#1")
     assert rec.prefill == "" and rec.choices == 2
     cluster.wait_all_free()
 
@@ -131,7 +131,7 @@ def test_locally_prefilled_streams_survive_their_decode_worker(cluster):
     requests = workload(8, max_tokens=60)  # short chats: every first attempt is local
     reference = cluster.generate_many(requests)
     for r in reference:
-        rec = cluster.run(cluster.store.get(r.request_id))
+        rec = cluster.ended(r.request_id)
         assert r.status == "OK" and rec.prefill == "", (r.error, len(rec.prompt_ids))
 
     async def strike():
@@ -142,7 +142,7 @@ def test_locally_prefilled_streams_survive_their_decode_worker(cluster):
     # G1, G2: each stream whole, equal to the no-fault run, replayed on the replacement (a
     # replay carries the tokens already sent, so it may be long enough for the prefill worker).
     assert_whole(results, [r.token_ids for r in reference])
-    recs = [cluster.run(cluster.store.get(r.request_id)) for r in results]
+    recs = [cluster.ended(r.request_id) for r in results]
     assert any("decode-0" in f for rec in recs for f in rec.failures), "nothing replayed"
     wait_for(lambda: cluster.status()["pools"]["decode"]["live"] == 1, 180, "a new decode worker")
     assert_clean(cluster.status, lambda: cluster.run(cluster.store.active()))  # G3
