@@ -522,7 +522,7 @@ def check_graphs(models: Models, dev: torch.device, quick: bool) -> Result:
 
 def environment(dev: torch.device) -> Result:
     from workers.model.attention.flash_backend import flash_attn_unavailable
-    from workers.model.attention.triton_decode import triton_unavailable
+    from workers.model.triton_base import triton_unavailable
 
     parts = [f"torch {torch.__version__}"]
     if dev.type == "cuda":

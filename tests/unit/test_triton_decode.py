@@ -230,7 +230,9 @@ def test_a_kernel_that_cannot_compile_leaves_cuda_decodes_on_sdpa(monkeypatch):
     def no_compiler(*args, **kwargs):
         raise RuntimeError("Failed to find C compiler. Please specify via CC\nmore")
 
-    monkeypatch.setattr(triton_decode, "triton_unavailable", lambda: None)
+    from workers.model import triton_base
+
+    monkeypatch.setattr(triton_base, "triton_unavailable", lambda: None)
     monkeypatch.setattr(triton_decode, "paged_decode_attention", no_compiler)
     why = triton_decode.triton_refusal(torch.device("cpu"), torch.bfloat16, 9, 3, 64, 256)
     assert (

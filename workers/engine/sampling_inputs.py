@@ -10,6 +10,7 @@ greedy, any filter, how many candidates) is decided here, from the host's values
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from workers.engine.sampler import FilterPlan, Penalties, SamplingTensors, row_uniforms
@@ -46,8 +47,9 @@ class SamplingColumns:
         self.uniforms = add(
             [0.5] * len(reqs)  # greedy rows never draw
             if self.all_greedy
-            else row_uniforms(
-                [s.seed & (2**63 - 1) for s in reqs], [s.num_output_tokens for s in reqs]
+            else row_uniforms(  # int64 arrays: no Python loop over the rows in the hash
+                np.array([s.seed & (2**63 - 1) for s in reqs], dtype=np.int64),
+                np.array([s.num_output_tokens for s in reqs], dtype=np.int64),
             ),
             torch.float64,
         )

@@ -44,6 +44,22 @@ def triton_unavailable() -> str | None:
     return None
 
 
+def first_launch_failure(launch, device: torch.device) -> str | None:
+    """Why `launch()` (a kernel's first launch, made at start so that a kernel that cannot
+    compile here is found then, not at the first step) failed on `device`; None if it ran."""
+    why = triton_unavailable()
+    if why is not None:
+        return why
+    try:
+        launch()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as e:  # whatever the compiler or driver raised
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        return f"its first launch failed: {type(e).__name__}: {first}"
+    return None
+
+
 @jit
 def as_operand(x, DTYPE: tl.constexpr, UPCAST: tl.constexpr):
     """fp32 `x` rounded to DTYPE; under UPCAST kept in fp32 holding the rounded value (the

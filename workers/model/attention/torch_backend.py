@@ -60,8 +60,8 @@ class TorchAttentionBackend(AttentionBackend):
             from workers.model.attention.triton_decode import (
                 paged_decode_attention,
                 triton_refusal,
-                triton_unavailable,
             )
+            from workers.model.triton_base import triton_unavailable
 
             if shape is None:
                 why = triton_unavailable()

@@ -30,11 +30,11 @@ from workers.model.attention.triton_tiles import (
 from workers.model.triton_base import (
     IMPORT_ERROR,
     as_operand,
+    first_launch_failure,
     interpreting,
     jit,
     tl,
     triton,
-    triton_unavailable,
 )
 
 GROUP_PAD = 16  # tl.dot wants M >= 16: a query group is padded to 16 rows (the kernel's 16)
@@ -153,21 +153,15 @@ def triton_refusal(
         )
     if head_dim > MAX_HEAD_DIM:
         return f"head_dim {head_dim}: the kernel takes up to {MAX_HEAD_DIM}"
-    why = triton_unavailable()
-    if why is not None:
-        return why
-    try:
+
+    def launch() -> None:
         q = torch.zeros(1, heads, head_dim, dtype=dtype, device=device)
         cache = torch.zeros(1, 2, block_size, kv_heads, head_dim, dtype=dtype, device=device)
         tables = torch.zeros(1, 1, dtype=torch.long, device=device)
         lens = torch.ones(1, dtype=torch.long, device=device)
         paged_decode_attention(q, cache[:, 0], cache[:, 1], tables, lens, 1.0)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    except Exception as e:  # whatever the compiler or driver raised
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        return f"its first launch failed: {type(e).__name__}: {first}"
-    return None
+
+    return first_launch_failure(launch, device)
 
 
 def paged_decode_attention(

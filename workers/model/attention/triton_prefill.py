@@ -27,11 +27,11 @@ from workers.model.attention.triton_tiles import (
 from workers.model.triton_base import (
     IMPORT_ERROR,
     as_operand,
+    first_launch_failure,
     interpreting,
     jit,
     tl,
     triton,
-    triton_unavailable,
 )
 
 
@@ -121,18 +121,12 @@ def prefill_refusal(device: torch.device, dtype: torch.dtype, heads: int, kv_hea
     first launch is made here, at start, so a kernel that cannot compile is found then."""
     if not kv_heads or heads % kv_heads or head_dim > MAX_HEAD_DIM:
         return f"{heads} heads over {kv_heads} KV heads of {head_dim}: not a shape it takes"
-    why = triton_unavailable()
-    if why is not None:
-        return why
-    try:
+
+    def launch() -> None:
         q = torch.zeros(2, heads, head_dim, dtype=dtype, device=device)
         cache = torch.zeros(1, 2, max(block_size, 2), kv_heads, head_dim, dtype=dtype)
         cache = cache.to(device)
         table = torch.zeros(1, dtype=torch.long, device=device)
         paged_prefill_attention(q, cache[:, 0], cache[:, 1], table, 2, 1.0)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    except Exception as e:  # whatever the compiler or driver raised
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        return f"its first launch failed: {type(e).__name__}: {first}"
-    return None
+
+    return first_launch_failure(launch, device)
