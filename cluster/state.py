@@ -23,6 +23,7 @@ store is away, keep the writes"); any other error is a bug and surfaces as itsel
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import time
 from dataclasses import replace
@@ -201,18 +202,34 @@ def _flat(d: dict) -> list:
 _HEALTH_CHECK_S = 0.5
 
 
+def _connection_options(timeout_s: float) -> dict:
+    """The options both store clients connect with.
+
+    CLIENT SETINFO is turned off. redis-py (5.0 on) pipelines it in the connection handshake
+    and reads the replies last; when the health check's interval has passed mid-handshake, its
+    PING reads SETINFO's reply instead of PONG, and on a Redis older than 7.2, which answers
+    SETINFO with an error, the whole connect fails ("unknown subcommand 'SETINFO'"): a
+    request refused for a label that Tandem never reads."""
+    params = inspect.signature(redis.connection.AbstractConnection.__init__).parameters
+    no_setinfo = (
+        {"driver_info": None} if "driver_info" in params else {"lib_name": None, "lib_version": None}
+    )
+    return {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "decode_responses": True,
+        "health_check_interval": _HEALTH_CHECK_S,
+        **no_setinfo,
+    }
+
+
 class RedisStore:
     """The router's RequestStore, on redis-py's asyncio client."""
 
     def __init__(self, url: str, ttl_s: int = 3600, timeout_s: float = 5.0) -> None:
         self.url, self.ttl_s, self.timeout_s = url, ttl_s, timeout_s
         self.r = aioredis.Redis.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            decode_responses=True,
-            health_check_interval=_HEALTH_CHECK_S,
-            retry=AsyncRetry(NoBackoff(), 1),
+            url, retry=AsyncRetry(NoBackoff(), 1), **_connection_options(timeout_s)
         )
         self._append = self.r.register_script(APPEND_SCRIPT)
         self._begin = self.r.register_script(BEGIN_SCRIPT)
@@ -376,12 +393,7 @@ class RedisTokenLog:
     def _client(self) -> redis.Redis:
         if self._r is None:
             self._r = redis.Redis.from_url(
-                self.url,
-                socket_timeout=self.timeout_s,
-                socket_connect_timeout=self.timeout_s,
-                decode_responses=True,
-                health_check_interval=_HEALTH_CHECK_S,
-                retry=Retry(NoBackoff(), 1),
+                self.url, retry=Retry(NoBackoff(), 1), **_connection_options(self.timeout_s)
             )
             self._script = self._r.register_script(APPEND_SCRIPT)
         return self._r

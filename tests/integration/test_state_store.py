@@ -13,6 +13,7 @@ import time
 import pytest
 import redis
 
+from cluster import state
 from cluster.redis_server import EmbeddedRedis, free_port
 from cluster.state import RedisStore, RedisTokenLog, key, redact
 from router.records.store import BeginResult, RecordState, RequestRecord
@@ -188,6 +189,28 @@ def test_the_embedded_server_restarts_from_its_aof(server):
     assert server.pid != old_pid and server.restarts >= 1
     rec = run(with_store(server.url, lambda s: s.get("c")))
     assert rec is not None and rec.attempt == 1 and rec.state is RecordState.RUNNING
+
+
+def test_connections_made_as_the_health_check_falls_due_still_connect(server, monkeypatch):
+    """A health check due in the middle of the connect handshake must not read a handshake
+    reply as its PONG: with the interval made tiny, every fresh connection of both clients
+    still serves its first command. Before CLIENT SETINFO was turned off, every one of them
+    failed here on a Redis older than 7.2."""
+    monkeypatch.setattr(state, "_HEALTH_CHECK_S", 1e-9)
+
+    async def fresh_reads():
+        for i in range(20):
+            store = RedisStore(server.url, ttl_s=60)
+            try:
+                assert await store.get(f"nobody-{i}") is None
+            finally:
+                await store.close()
+
+    run(fresh_reads())
+    for i in range(20):
+        log = RedisTokenLog(server.url, ttl_s=60)
+        assert log._client().ping()
+        log._client().close()
 
 
 def test_pooled_connections_survive_a_redis_restart(tmp_path):
