@@ -211,9 +211,9 @@ def _connection_options(timeout_s: float) -> dict:
     SETINFO with an error, the whole connect fails ("unknown subcommand 'SETINFO'"): a
     request refused for a label that Tandem never reads."""
     params = inspect.signature(redis.connection.AbstractConnection.__init__).parameters
-    no_setinfo = (
-        {"driver_info": None} if "driver_info" in params else {"lib_name": None, "lib_version": None}
-    )
+    no_setinfo = {"lib_name": None, "lib_version": None}  # redis-py before driver_info
+    if "driver_info" in params:
+        no_setinfo = {"driver_info": None}
     return {
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,

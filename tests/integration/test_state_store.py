@@ -207,7 +207,7 @@ def test_connections_made_as_the_health_check_falls_due_still_connect(server, mo
                 await store.close()
 
     run(fresh_reads())
-    for i in range(20):
+    for _ in range(20):
         log = RedisTokenLog(server.url, ttl_s=60)
         assert log._client().ping()
         log._client().close()
