@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +49,7 @@ import torch  # noqa: E402
 from benchmarks.gpu_figures import SHAPES, SMOLLM2, as_json, measure  # noqa: E402
 from kv_transfer.streams import indexed  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
+from workers.engine.cuda_graphs import EagerReplay  # noqa: E402
 from workers.engine.engine import LLMEngine  # noqa: E402
 from workers.engine.request import SamplingParams  # noqa: E402
 from workers.model.config import ModelConfig  # noqa: E402
@@ -231,8 +232,6 @@ def check_engine(models: Models, dev: torch.device, quick: bool) -> list[Result]
 
 
 def _with_logprobs(sp: SamplingParams) -> SamplingParams:
-    from dataclasses import replace
-
     return replace(sp, logprobs=True, top_logprobs=TOP, ignore_eos=True)
 
 
@@ -493,8 +492,6 @@ def check_nccl(dev: torch.device) -> list[Result]:
 
 def check_graphs(models: Models, dev: torch.device, quick: bool) -> Result:
     """Decode steps from captured graphs against eager ones, on the same model."""
-    from workers.engine.cuda_graphs import EagerReplay
-
     t0 = time.perf_counter()
     make = None if dev.type == "cuda" else EagerReplay
     graphs = models.engine(dev, "bfloat16", make_graph=make, max_num_seqs=8)
@@ -517,6 +514,46 @@ def check_graphs(models: Models, dev: torch.device, quick: bool) -> Result:
     res.detail += f", {replays[0]} steps replayed ({graphs.runner.backend.name})"
     if not replays[0]:
         res.status = "FAIL"
+    return res
+
+
+def check_overlap(models: Models, dev: torch.device, quick: bool) -> Result:
+    """Overlap scheduling against waiting for every step, on the same device and model:
+    greedy and seeded rows, stop tokens that leave a token in flight, arrivals mid-run."""
+    t0 = time.perf_counter()
+    make = None if dev.type == "cuda" else EagerReplay  # decodes replay on the CPU too
+    on = models.engine(dev, "bfloat16", make_graph=make, max_num_seqs=8, overlap="on")
+    off = models.engine(dev, "bfloat16", make_graph=make, max_num_seqs=8, overlap="off")
+    tokens = 8 if quick else 24
+    greedy = _with_logprobs(SamplingParams(max_tokens=tokens, temperature=0.0))
+    seeded = _with_logprobs(SamplingParams(max_tokens=tokens, temperature=0.8, seed=3))
+    ps = prompts(6, 24, 9)
+    first = generate(off, ps[:2], greedy)
+    stop = replace(greedy, stop_token_ids=(first[0][tokens // 2][0], first[1][2][0]))
+
+    def run(engine):
+        late = {1: [(ps[4], seeded)], 3: [(ps[5], greedy)]}
+        ids = [engine.add_request(p, sp) for p, sp in zip(ps[:4], [stop, stop, seeded, greedy])]
+        out, calls = {}, 0
+        while engine.has_unfinished() or late:
+            ids += [engine.add_request(p, sp) for p, sp in late.pop(calls, [])]
+            for o in engine.step():
+                tops = o.new_top_logprobs or [()] * len(o.new_token_ids)
+                got = out.setdefault(o.request_id, [])
+                got += [(t, dict(top)) for t, top in zip(o.new_token_ids, tops)]
+            calls += 1
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks, "KV blocks leaked"
+        return [out[i] for i in ids]
+
+    before = on.overlapped_steps
+    pairs = list(zip(run(off), run(on)))
+    res = _judge("overlap", pairs, {"lp_tol": 0.05, "tie_tol": 0.05}, t0, "overlap on vs off")
+    exact = sum(a == b for a, b in pairs)
+    res.detail += (
+        f", {exact}/{len(pairs)} streams identical, {on.overlapped_steps - before} steps overlapped"
+    )
+    if on.overlapped_steps == before:
+        res.status, res.detail = "FAIL", "no step was left running: " + res.detail
     return res
 
 
@@ -564,6 +601,7 @@ def main(argv=None) -> int:
         ("kv-protocol", lambda: [check_kv_protocol(dev)]),
         ("nccl", lambda: check_nccl(dev)),
         ("graphs", lambda: [check_graphs(models, dev, args.quick)]),
+        ("overlap", lambda: [check_overlap(models, dev, args.quick)]),
     ]
     results = []
     for name, check in checks:

@@ -158,6 +158,23 @@ def _timed(fn, dev: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _per_call(fn, dev: torch.device, calls: int, repeats: int = 3) -> float:
+    """Median, over `repeats` runs of `calls` calls back to back with one wait for the device
+    at the end, of the seconds per call: a step left running (overlap) is counted where it
+    runs, behind the host's work on the next, as in serving."""
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
 def linear_floor(model, rows: int, logits_rows: int, dev: torch.device, repeats: int) -> float:
     """Seconds of the model's linear layers alone over `rows` tokens (lm_head over
     `logits_rows`), in one CUDA graph on CUDA."""
@@ -243,7 +260,7 @@ def decode_steps(model, dev, plan: Plan) -> dict[int, float]:
             r.num_computed_tokens < r.num_prompt_tokens for r in sched.running
         ):
             engine.step()
-        out[batch] = _timed(engine.step, dev, plan.steps)
+        out[batch] = _per_call(engine.step, dev, plan.steps)
         if len(sched.running) != batch:
             raise RuntimeError(f"{len(sched.running)} of {batch} rows running")
         for i in ids:

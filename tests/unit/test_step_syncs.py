@@ -37,6 +37,7 @@ class SyncSentinel(TorchFunctionMode):
         super().__init__()
         self.calls: list[str] = []
         self.paused = False
+        self.steps = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -56,13 +57,18 @@ class SyncSentinel(TorchFunctionMode):
         return False
 
 
-def sentinel_engine(tiny_llama_dir) -> tuple[LLMEngine, SyncSentinel]:
-    cfg = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=128, block_size=4, max_num_seqs=8)
+def sentinel_engine(tiny_llama_dir, overlap: str = "off") -> tuple[LLMEngine, SyncSentinel]:
+    """An engine whose runner launches every step under the sentinel (`sentinel.steps`
+    counts them); with `overlap` on, the next step's decodes read the last one's tokens on
+    the device."""
+    cfg = EngineConfig(
+        model=str(tiny_llama_dir), num_kv_blocks=128, block_size=4, max_num_seqs=8, overlap=overlap
+    )
     engine = LLMEngine(cfg, make_graph=EagerReplay)
     assert engine.runner.graphs is not None  # decode steps replay
     runner, sentinel = engine.runner, SyncSentinel()
     runner.sync_free = True  # plan as on a GPU
-    model_forward, execute = runner.model.forward, runner.execute
+    model_forward, launch = runner.model.forward, runner.launch
 
     def forward(*args, **kwargs):
         sentinel.paused = True
@@ -72,10 +78,11 @@ def sentinel_engine(tiny_llama_dir) -> tuple[LLMEngine, SyncSentinel]:
             sentinel.paused = False
 
     def watched(*args, **kwargs):
+        sentinel.steps += 1
         with sentinel:
-            return execute(*args, **kwargs)
+            return launch(*args, **kwargs)
 
-    runner.model.forward, runner.execute = forward, watched
+    runner.model.forward, runner.launch = forward, watched
     return engine, sentinel
 
 
@@ -110,10 +117,12 @@ PARAMS = {
 
 
 @pytest.mark.timeout(300)
-def test_a_step_never_waits_for_the_device_before_its_tokens_are_read(tiny_llama_dir):
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_step_never_waits_for_the_device_before_its_tokens_are_read(tiny_llama_dir, overlap):
     """Prefill and decode steps, with every sampling parameter but grammars (which may wait:
-    their masks come from the host), batched together and alone: not one blocking call."""
-    engine, sentinel = sentinel_engine(tiny_llama_dir)
+    their masks come from the host), batched together and alone: not one blocking call,
+    the last step's tokens read on the device included (overlap)."""
+    engine, sentinel = sentinel_engine(tiny_llama_dir, overlap)
     prompts = [list(range(5 + i, 12 + 2 * i)) for i in range(len(PARAMS))]
     for prompt, sp in zip(prompts, PARAMS.values()):
         engine.add_request(prompt, sp)
@@ -122,7 +131,8 @@ def test_a_step_never_waits_for_the_device_before_its_tokens_are_read(tiny_llama
         engine.step()
         steps += 1
     assert not engine.has_unfinished()
-    assert sentinel.calls == []
+    assert sentinel.calls == [] and sentinel.steps >= 6
+    assert (engine.overlapped_steps > 0) == (overlap == "on")
     for name, sp in PARAMS.items():  # each alone: a batch of one kind
         engine.add_request([9, 8, 7, 6, 5], sp)
         while engine.has_unfinished():

@@ -13,6 +13,7 @@ from workers.model.flash_rules import ATTENTION_BACKENDS, FLASH_PAGE_MULTIPLE, f
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = order_names(Side.ENGINE)  # the orders an engine serves (orders.py)
 BATCHING = ("continuous", "static")
+OVERLAP = ("auto", "on", "off")
 # What "auto" resolves to on each kind of device: a dtype and block size every backend there
 # takes (flash-attn's pages are 256 tokens; the fallbacks take any size). On a GPU older than
 # sm80, which has no bf16 arithmetic, the dtype is float16 instead (`EngineConfig.resolve`).
@@ -172,7 +173,18 @@ class EngineConfig:
         ),
     )
 
+    overlap: str = field(
+        default="auto",
+        metadata=described(
+            "schedule the next step while the device runs this one (auto: on CUDA only, "
+            "where the device runs apart from the host)",
+            choices=OVERLAP,
+        ),
+    )
+
     def __post_init__(self) -> None:
+        if self.overlap not in OVERLAP:
+            raise ValueError(f"overlap={self.overlap!r}: choose from {', '.join(OVERLAP)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose from {', '.join(DTYPES)}")
         if self.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):

@@ -1,7 +1,11 @@
 """LLMEngine: requests in, token deltas out, one `step()` at a time.
 
-    step = schedule -> execute on the model -> update bookkeeping -> apply stop strings
+    step = schedule -> launch on the model -> advance bookkeeping -> land the tokens
+           (resolve them, apply stop strings)
 
+With overlap (on CUDA by default), a step is left running on the device when `step()`
+returns, and landed by the next call once that call has launched the step after it: the
+host's scheduling hides behind the device's work (`step` says what falls back to waiting).
 The engine holds no threads but the one that builds constrained rows' masks while a step's
 model runs (grammar.py); the offline API and the workers drive `step()` in their loops.
 Disaggregation uses it through a small API, never through the scheduler or block pool:
@@ -32,7 +36,7 @@ from workers.engine.block_pool import BlockPool
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import GraphCapture
 from workers.engine.grammar import GrammarCompiler, GrammarMasks
-from workers.engine.model_runner import GraphSettings, ModelRunner
+from workers.engine.model_runner import GraphSettings, LaunchedStep, ModelRunner
 from workers.engine.outputs import EngineStats, RequestOutput
 from workers.engine.request import (
     NO_TENANCY,
@@ -48,7 +52,7 @@ from workers.engine.request import (
     stop_status,
 )
 from workers.engine.scheduler import Scheduler
-from workers.engine.scheduler_output import SampledToken
+from workers.engine.scheduler_output import SampledToken, SchedulerOutput
 from workers.engine.stop_strings import StopStringMatcher
 from workers.model.llama import LlamaForCausalLM
 from workers.model.loader import build_model, resolve_model
@@ -105,6 +109,12 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self.prefill_tokens = self.decode_tokens = 0  # computed, lifetime (for metrics)
         self._stops: dict[str, StopStringMatcher] = {}
+        # overlap: the step launched and left running by the last `step`, with its schedule.
+        self.overlap = config.overlap == "on" or (
+            config.overlap == "auto" and device.type == "cuda"
+        )
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self.overlapped_steps = 0  # lifetime: steps left running while the next was scheduled
         # Prefill side, optional: called as a step begins, with (request id, block ids, tokens)
         # of each keep_kv request whose KV that step completes; it may return a function that
         # the model calls with each layer's index once the layer has written its KV, so the
@@ -236,7 +246,10 @@ class LLMEngine:
 
     def reserve(self, request_id: str, num_tokens: int) -> int | None:
         """Hold blocks for `num_tokens` tokens whose KV a prefill worker will send; returns
-        how many blocks, or None if they don't fit now."""
+        how many blocks, or None if they don't fit now. A step left running (overlap) may
+        still write into blocks freed while it ran: a writer on another stream first waits
+        for an event recorded on the engine's stream after this call, as the decode
+        worker's does (held_requests.py, `writable`)."""
         blocks = self.scheduler.reserve(request_id, num_tokens)
         return None if blocks is None else len(blocks)
 
@@ -378,7 +391,7 @@ class LLMEngine:
         return bool(family)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def stats(self) -> EngineStats:
         sched = self.scheduler
@@ -410,25 +423,61 @@ class LLMEngine:
 
     # -- the loop body ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch a step, and return the outputs of the step before it, or of
+        this one when it cannot be left running (see `_overlaps`). With overlap on, a step
+        stays in flight between calls: the host schedules and launches the next one while
+        the device runs it, and the next step's decodes take its tokens on the device. A row
+        whose request ended in the step before (a stop, EOS) computes one token too many;
+        that token is dropped, never returned, streamed or logged."""
         out = self.scheduler.schedule()
         results = [o for req, err in out.failed for o in self._ended_with_error(req, err)]
+        prev, self._in_flight = self._in_flight, None
         if not out.scheduled:
-            return results
+            return results + (self._land(*prev) if prev is not None else [])
         self.prefill_tokens += sum(p.num_tokens for p in out.prefills)
         self.decode_tokens += len(out.decodes)
+        layer_done = self._kv_completing(out)
         try:
-            sampled = self.runner.execute(out, self._kv_completing(out))
+            launched = self.runner.launch(out, layer_done, prev[1] if prev is not None else None)
         except Exception as e:  # one bad step must not take the engine down with it
-            ids = [s.request_id for s in out.scheduled]
-            log.exception("model step failed; failing its %d requests: %s", len(ids), ids)
-            error = f"{type(e).__name__}: {e}"
-            for s in out.scheduled:
-                req = self.scheduler.finish_request(
-                    s.request_id, RequestStatus.FINISHED_ERROR, error, ErrorKind.STEP_FAILED
-                )
-                if req is not None:
-                    results += self._ended_with_error(req, error)
+            if prev is not None:  # the step before streams its tokens first
+                results += self._land(*prev)
+            return results + self._failed(out, e)
+        if prev is not None:
+            results += self._land(*prev)
+        self.scheduler.advance(out)
+        if self._overlaps(out, layer_done):
+            self._in_flight = (out, launched)
+            self.overlapped_steps += 1
             return results
+        return results + self._land(out, launched)
+
+    def _overlaps(self, out, layer_done) -> bool:
+        """Whether the next step may be scheduled before this one's tokens are on the host.
+        Not when a row's next step needs its token's value on the host: a grammar's mask,
+        penalties over its history, n > 1 forks, a prefill that keeps its KV for a
+        transfer (or streams it layer by layer)."""
+        if not self.overlap or layer_done is not None:
+            return False
+        requests = self.scheduler.requests
+        for s in out.scheduled:
+            if not s.sample:
+                continue
+            req = requests.get(s.request_id)
+            sp = s.sampling
+            if s.forks or sp.constraint is not None or sp.penalized:
+                return False
+            if req is not None and (req.keep_kv or req.stop_after is not None):
+                return False
+        return True
+
+    def _land(self, out: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
+        """A launched step's tokens, waited for, into its requests' bookkeeping and outputs."""
+        try:
+            sampled = launched.result()
+        except Exception as e:
+            return self._failed(out, e)
+        results = []
         # A sequence whose grammar broke this step ends in error, not on the EOS it was given.
         broken = self.runner.grammar.take_failed() if self.runner.grammar is not None else {}
         for rid, why in broken.items():
@@ -437,10 +486,27 @@ class LLMEngine:
             )
             if req is not None:
                 results += self._ended_with_error(req, why)
-        for req, new_ids in self.scheduler.update_from_output(out, sampled):
+        for req, new_ids in self.scheduler.resolve(out, sampled):
             results.append(self._output(req, new_ids))
         if self.runner.grammar is not None and len(self.runner.grammar):
             self.runner.grammar.retain(self.scheduler.requests)
+        return results
+
+    def _failed(self, out: SchedulerOutput, e: Exception) -> list[RequestOutput]:
+        """A step that raised: every request it ran ends in error."""
+        ids = [s.request_id for s in out.scheduled]
+        log.error("model step failed; failing its %d requests: %s", len(ids), ids, exc_info=e)
+        error = f"{type(e).__name__}: {e}"
+        results = []
+        for s in out.scheduled:
+            req = self.scheduler.requests.get(s.request_id)
+            if req is not None and req.pending:  # launched and advanced: its draw is lost
+                req.output_token_ids.pop()
+            req = self.scheduler.finish_request(
+                s.request_id, RequestStatus.FINISHED_ERROR, error, ErrorKind.STEP_FAILED
+            )
+            if req is not None:
+                results += self._ended_with_error(req, error)
         return results
 
     def _kv_completing(self, out) -> Callable[[int], None] | None:

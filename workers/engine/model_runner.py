@@ -20,11 +20,11 @@ import torch
 from kv_transfer.layout import KVLayout
 from workers.engine.cuda_graphs import DecodeGraphs, GraphCapture
 from workers.engine.grammar import GrammarMasks
-from workers.engine.request import choice_id, choice_seed
-from workers.engine.sampler import sample
+from workers.engine.request import PENDING, choice_id, choice_seed
+from workers.engine.sampler import SamplerOutput, sample
 from workers.engine.sampling_inputs import SamplingColumns
 from workers.engine.scheduler_output import SampledToken, ScheduledRequest, SchedulerOutput
-from workers.engine.step_io import StepInputs, fetch
+from workers.engine.step_io import Fetched, StepInputs, fetch
 from workers.model.attention import AttentionMetadata, PrefillSlice, select_backend
 from workers.model.llama import LlamaForCausalLM
 
@@ -116,14 +116,24 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_caches, self.backend, meta, layer_done)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, layer_done=None) -> list[SampledToken]:
-        """One step; `layer_done(i)`, if given, is called as each layer has written its KV.
+    def launch(
+        self, out: SchedulerOutput, layer_done=None, prev: LaunchedStep | None = None
+    ) -> LaunchedStep:
+        """Queue one step on the device; `layer_done(i)`, if given, is called as each layer
+        has written its KV. Its inputs reach the device in one copy (step_io.py) and its
+        sampled tokens start back in one; nothing on the way waits for the device.
 
-        Its inputs reach the device in one copy (step_io.py) and its sampled tokens come back
-        in one; nothing on the way waits for the device until those tokens are read."""
+        A row whose last token is PENDING (a decode scheduled while the step that draws
+        that token ran) takes it from `prev`'s sampled ids, on the device."""
         scheduled = out.scheduled
         input_ids, positions, slots = [], [], []
+        fill_at, fill_from = [], []  # rows of PENDING tokens; prev's sampled rows to read
         for s in scheduled:
+            if s.token_ids[-1] == PENDING:
+                if prev is None or s.request_id not in prev.rows:
+                    raise RuntimeError(f"{s.request_id}: its last token was never drawn")
+                fill_at.append(len(input_ids) + s.num_tokens - 1)
+                fill_from.append(prev.rows[s.request_id])
             input_ids += s.token_ids
             positions += range(s.start_position, s.context_len)
             slots += self._slots(s.block_ids, s.start_position, s.context_len)
@@ -141,6 +151,7 @@ class ModelRunner:
         try:
             inputs = StepInputs(self.device)
             copies = [inputs.add([c[i] for c in out.block_copies]) for i in (0, 1)]
+            fills = [inputs.add(fill_at), inputs.add(fill_from)] if fill_at else None
             replay = self._replays(out, layer_done)
             if replay:
                 tables = [s.block_ids for s in out.decodes]
@@ -154,6 +165,9 @@ class ModelRunner:
             vocab = self.model.cfg.vocab_size
             sampling = SamplingColumns(inputs, samplers, vocab, self.sync_free) if rows else None
             cols = inputs.send()
+            if fills is not None:
+                at, src = (cols[i] for i in fills)
+                cols[step[0]].index_copy_(0, at, prev.token_ids.index_select(0, src))
             if out.block_copies:
                 self.copy_blocks(*(cols[i] for i in copies))
             if replay:
@@ -162,7 +176,7 @@ class ModelRunner:
                 ids, pos = (cols[i] for i in step)
                 hidden = self._forward(ids, pos, meta.build(cols), layer_done)
             if not rows:
-                return []
+                return LaunchedStep(self, [], None, None)
             logits = self.model.compute_logits(hidden.index_select(0, cols[row_col]))
             t = sampling.tensors(cols)
             if masks is not None:
@@ -172,34 +186,16 @@ class ModelRunner:
                     self.grammar.allowed(filled, logits.shape[-1]),
                 )
             result = sample(logits, t)
-            back = [result.token_ids]
-            if result.logprobs is not None:
-                back.append(result.logprobs)
-            if result.top_ids is not None:
-                back += [result.top_ids, result.top_logprobs]
-            got = fetch(back).wait()
-            ids = got[0][:, 0].astype(np.int64).tolist()
-            if masks is not None:
-                for s, tok in zip(samplers, ids):
-                    if s.sampling.constraint is not None:
-                        self.grammar.advance(s.request_id, tok)
-        finally:  # a step that raised leaves no fill running beside the next one
+        except BaseException:  # a step that raised leaves no fill running beside the next one
             if masks is not None:
                 masks.exception()
-        lps = got[1][:, 0].tolist() if result.logprobs is not None else [None] * len(ids)
-        tops = [None] * len(ids)
+            raise
+        back = [result.token_ids]
+        if result.logprobs is not None:
+            back.append(result.logprobs)
         if result.top_ids is not None:
-            top_ids, top_lps = got[2].astype(np.int64).tolist(), got[3].tolist()
-            tops = [tuple(zip(t, v)) for t, v in zip(top_ids, top_lps)]
-        return [
-            SampledToken(
-                s.request_id,
-                tok,
-                lp if s.sampling.logprobs else None,
-                top[: s.sampling.top_logprobs] if s.sampling.top_logprobs else None,
-            )
-            for s, tok, lp, top in zip(samplers, ids, lps, tops)
-        ]
+            back += [result.top_ids, result.top_logprobs]
+        return LaunchedStep(self, samplers, result, fetch(back), masks is not None)
 
     def _start_masks(self, samplers: list[ScheduledRequest]) -> Future | None:
         """The grammar masks of the constrained rows, being built on the helper thread."""
@@ -259,6 +255,53 @@ class ModelRunner:
     def _slots(self, blocks: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
         return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+
+
+class LaunchedStep:
+    """A step queued on the device (`ModelRunner.launch`); `result` waits for its tokens.
+    `token_ids` (on the device) and `rows` (request id -> row) let the next step read the
+    tokens it drew before the host has them."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        samplers: list[ScheduledRequest],
+        result: SamplerOutput | None,
+        fetched: Fetched | None,
+        masked: bool = False,
+    ) -> None:
+        self.runner, self.samplers, self.fetched, self.masked = runner, samplers, fetched, masked
+        self.token_ids = result.token_ids if result is not None else None
+        self.logprobs = result is not None and result.logprobs is not None
+        self.top = result is not None and result.top_ids is not None
+        self.rows = {s.request_id: i for i, s in enumerate(samplers)}
+
+    def result(self) -> list[SampledToken]:
+        """The step's sampled tokens, once the device has them (waits if need be)."""
+        if self.fetched is None:
+            return []
+        grammar, samplers = self.runner.grammar, self.samplers
+        got = self.fetched.wait()
+        ids = got[0][:, 0].astype(np.int64).tolist()
+        if self.masked:
+            for s, tok in zip(samplers, ids):
+                if s.sampling.constraint is not None:
+                    grammar.advance(s.request_id, tok)
+        lps = got[1][:, 0].tolist() if self.logprobs else [None] * len(ids)
+        tops = [None] * len(ids)
+        if self.top:
+            at = 1 + self.logprobs
+            top_ids, top_lps = got[at].astype(np.int64).tolist(), got[at + 1].tolist()
+            tops = [tuple(zip(t, v)) for t, v in zip(top_ids, top_lps)]
+        return [
+            SampledToken(
+                s.request_id,
+                tok,
+                lp if s.sampling.logprobs else None,
+                top[: s.sampling.top_logprobs] if s.sampling.top_logprobs else None,
+            )
+            for s, tok, lp, top in zip(samplers, ids, lps, tops)
+        ]
 
 
 class StepMetadata:

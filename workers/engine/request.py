@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 
 from workers.engine.constraint import Constraint
 
+# The output token a step in flight is drawing: the scheduler counts it (positions, lengths,
+# max_tokens) before its value is on the host, and the model runner reads the value from the
+# previous step's sampled ids on the device (engine.py, "overlap").
+PENDING = -1
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered so that `is_finished` is a comparison."""
@@ -314,6 +319,11 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def pending(self) -> bool:
+        """Its last output token is still being drawn by a step in flight."""
+        return bool(self.output_token_ids) and self.output_token_ids[-1] == PENDING
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 
@@ -364,8 +374,15 @@ def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus |
     # A constrained sequence draws EOS only where its grammar may end: it ends there.
     if req.stop_after is None and sp.constraint is not None and token in req.eos_token_ids:
         return RequestStatus.FINISHED_STOPPED
-    if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= max_model_len:
-        return RequestStatus.FINISHED_LENGTH
-    if req.stop_after is not None and req.num_output_tokens >= req.stop_after:
-        return RequestStatus.FINISHED_LENGTH
-    return None
+    return RequestStatus.FINISHED_LENGTH if ends_by_length(req, max_model_len) else None
+
+
+def ends_by_length(req: Request, max_model_len: int) -> bool:
+    """Whether its tokens so far end it whatever the last one is: max_tokens, the context,
+    or a prefill's stop_after reached. Known before a pending token's value is."""
+    n = req.num_output_tokens
+    return (
+        n >= req.sampling.max_tokens
+        or req.num_tokens >= max_model_len
+        or (req.stop_after is not None and n >= req.stop_after)
+    )

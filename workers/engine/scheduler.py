@@ -32,11 +32,13 @@ from workers.engine.config import SchedulerConfig
 from workers.engine.kv_manager import KVCacheManager
 from workers.engine.policy import make_policy
 from workers.engine.request import (
+    PENDING,
     ErrorKind,
     Request,
     RequestStatus,
     choice_id,
     drop,
+    ends_by_length,
     stop_status,
 )
 from workers.engine.scheduler_output import SampledToken, ScheduledRequest, SchedulerOutput
@@ -188,6 +190,8 @@ class Scheduler:
                 continue  # preempted (or failed) earlier in this loop to make room
             if ahead and not out.preempted_ids:
                 budget = self._schedule_waiting(out, gate, budget, before=self.policy.key(req))
+            if req.pending and ends_by_length(req, self.config.max_model_len):
+                continue  # the token in flight is its last, whatever its value
             if gate.holds_back(req):
                 continue
             n = gate.new_tokens(req, budget)
@@ -264,30 +268,54 @@ class Scheduler:
     def update_from_output(
         self, out: SchedulerOutput, sampled: list[SampledToken]
     ) -> list[tuple[Request, list[int]]]:
-        """Advance every scheduled request; returns (request, new token ids) for each that
-        gained tokens or ended this step. Ended requests have released their blocks."""
-        by_id = {s.request_id: s for s in sampled}
-        results = []
-        now = self.clock()
+        """`advance` and `resolve` at once: the step's tokens are already on the host."""
+        self.advance(out)
+        return self.resolve(out, sampled)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """What a step changes before its tokens are known: each scheduled request counts
+        its computed tokens and publishes its full blocks, and a row that samples appends
+        PENDING, which `resolve` replaces. The next step may be scheduled in between: it
+        computes the pending token (the model runner fetches its value on the device)."""
         for sched in out.scheduled:
             req = self.requests.get(sched.request_id)
             if req is None:
                 continue  # cancelled while the step ran; its blocks are already free
             req.num_computed_tokens += sched.num_tokens
-            self.kv.publish(req)
+            self.kv.publish(req)  # every token it hashes was resolved before this step ran
+            if sched.sample:
+                req.output_token_ids.append(PENDING)
+
+    def resolve(
+        self, out: SchedulerOutput, sampled: list[SampledToken]
+    ) -> list[tuple[Request, list[int]]]:
+        """The step's tokens in place of its PENDING ones (forks made first); returns
+        (request, new token ids) for each that gained a token, ended ones having released
+        their blocks."""
+        by_id = {s.request_id: s for s in sampled}
+        results = []
+        now = self.clock()
+        for sched in out.scheduled:
+            req = self.requests.get(sched.request_id)
+            if req is None or not sched.sample:
+                continue  # ended while the step ran: its token is dropped with it
+            assert req.pending, f"{req.request_id}: resolved without a pending token"
             tok = by_id.get(sched.request_id)
-            if not sched.sample or tok is None:
+            if tok is None:  # the step drew nothing for it
+                req.output_token_ids.pop()
                 continue
             members = [(req, tok)]
             for index in sched.forks:  # before the parent may end and free its blocks
-                members.append((self._fork(req, index), by_id[choice_id(req.request_id, index)]))
+                child = self._fork(req, index)  # shares the parent's computed tokens
+                members.append((child, by_id[choice_id(req.request_id, index)]))
+            req.output_token_ids.pop()
             for r, t in members:
                 r.output_token_ids.append(t.token_id)
                 if t.logprob is not None:
                     r.output_logprobs.append(t.logprob)
                 if t.top_logprobs is not None:
                     r.output_top_logprobs.append(t.top_logprobs)
-                if r.paced_since is None:
+                if r.paced_since is None and r.status is RequestStatus.RUNNING:
                     r.paced_since = (now, r.num_output_tokens)
                 status = stop_status(r, t.token_id, self.config.max_model_len)
                 if status is not None:
