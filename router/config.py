@@ -115,8 +115,9 @@ class RouterConfig:
     stall_timeout_s: float = field(
         default=120.0,
         metadata=described(
-            "an attempt with no token for this long is given up, and a worker whose engine "
-            "step has run this long is marked dead (hung)"
+            "an attempt with no token for this long is given up if its workers no longer "
+            "hold it (one queued on a live worker waits on), and a worker whose engine step "
+            "has run this long is marked dead (hung)"
         ),
     )
     local_prefill_max_tokens: int = field(

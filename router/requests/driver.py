@@ -8,7 +8,11 @@
              token already sent, and continues after them
 
 An attempt fails when one of its workers dies (a failed call, or the pool manager's news), a
-transfer fails, or no token comes for `stall_timeout_s`. Only UNAVAILABLE failures are
+transfer fails, or no token comes for `stall_timeout_s` and its workers no longer hold it. A
+request queued behind others on a live worker is overload, not failure: the worker answering
+that it holds the request (an answer from its engine loop, between two steps) keeps the
+attempt going, however long the queue; a hung step is the fleet's to find (fleet.py), and
+its news fails the attempt. Only UNAVAILABLE failures are
 replayed, at most `max_retries` times; the request then ends with UNAVAILABLE naming every
 cause. The seed is fixed at admission and draws depend only on (seed, position), so a replay
 produces exactly the tokens the first attempt would have: the stream drops the overlap and
@@ -98,6 +102,7 @@ class RequestDriver:
         self.watching = False  # adopted and not yet replayed: its tokens are in the log only
         self.landed = False  # the attempt followed now has had an event from its decode worker
         self.abandoned = False  # this router is leaving: the request goes on without it
+        self.waits = 0  # stall timeouts ridden out: its workers still held it
 
     @property
     def request_id(self) -> str:
@@ -355,8 +360,19 @@ class RequestDriver:
             try:
                 item = await asyncio.wait_for(self.inbox.get(), stall)
             except TimeoutError:
+                if await self._still_running(self.decode, self.prefill, attempt):
+                    if not self.waits:  # queued where it runs: overload, not failure
+                        log.info(
+                            "request %s: no token for %.0f s, still held by %s; waiting on",
+                            self.request_id,
+                            stall,
+                            self.decode if self.landed else f"{self.prefill} and {self.decode}",
+                        )
+                    self.waits += 1
+                    continue
                 raise AttemptFailed(
-                    Status.UNAVAILABLE, f"no tokens from {self.decode} for {stall:.0f} s"
+                    Status.UNAVAILABLE,
+                    f"no tokens from {self.decode} for {stall:.0f} s, and it no longer has it",
                 ) from None
             if isinstance(item, WorkerLost):
                 if item.name == self.decode or (item.name == self.prefill and not self.landed):
@@ -416,7 +432,7 @@ class RequestDriver:
             if rec is None or rec.state.terminal:
                 self.stream.end(Status.OK, rec.finish_reason if rec else FinishReason.ERROR)
                 return True
-            if rec.attempt and await self._still_running(rec):
+            if rec.attempt and await self._still_running(rec.decode, rec.prefill, rec.attempt):
                 gone_since = None
                 try:  # news of its workers' deaths, or a second, then look again
                     await asyncio.wait_for(self.inbox.get(), 1.0)
@@ -448,23 +464,26 @@ class RequestDriver:
             self._replay_starts(cause)
             return False
 
-    async def _still_running(self, rec) -> bool:
-        """Its attempt is generating on its decode worker, or on its way there (prefilling,
-        or its KV being pushed to a reservation). A choice > 0 of an n > 1 request, in its
-        shared first attempt, is on its way while the request's own KV is."""
-        decode, prefill = await self._phases(rec, self.request_id)
-        if decode is Phase.RUNNING or (decode is Phase.RESERVED and prefill.on_its_way):
+    async def _still_running(self, decode: str | None, prefill: str | None, attempt: int) -> bool:
+        """This attempt is on its decode worker (generating, or queued in its engine), or on
+        its way there (prefilling, or its KV being pushed to a reservation). A choice > 0 of
+        an n > 1 request, in its shared first attempt, is on its way while the request's own
+        KV is."""
+        on_decode, on_prefill = await self._phases(decode, prefill, self.request_id, attempt)
+        if on_decode is Phase.RUNNING or (on_decode is Phase.RESERVED and on_prefill.on_its_way):
             return True
         request_id, index = split_choice(self.request_id)
-        if index == 0 or rec.attempt != 1:
+        if index == 0 or attempt != 1:
             return False
-        decode, prefill = await self._phases(rec, request_id)
-        return decode is Phase.RESERVED and prefill.on_its_way
+        on_decode, on_prefill = await self._phases(decode, prefill, request_id, attempt)
+        return on_decode is Phase.RESERVED and on_prefill.on_its_way
 
-    async def _phases(self, rec, rid: str) -> tuple[Phase, Phase]:
-        """`rid`'s phase on the record's decode worker and on its prefill worker."""
+    async def _phases(
+        self, decode: str | None, prefill: str | None, rid: str, attempt: int
+    ) -> tuple[Phase, Phase]:
+        """`rid`'s phase on the decode worker and on the prefill worker named."""
         fleet = self.env.fleet
         return (
-            await fleet.phase(rec.decode, rid, rec.attempt),
-            await fleet.phase(rec.prefill, rid, rec.attempt),
+            await fleet.phase(decode or "", rid, attempt),
+            await fleet.phase(prefill or "", rid, attempt),
         )

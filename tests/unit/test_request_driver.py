@@ -60,6 +60,10 @@ class Script:
     transfer_fails: set[int] = field(default_factory=set)
     refusals: int = 0  # reservations refused (by every worker) before any is granted
     blocked: set[str] = field(default_factory=set)  # calls that never answer: reserve, ...
+    # attempt: seconds its decode worker holds it after the first token, sending nothing
+    # (queued behind others), before it goes on
+    queued_s: dict[int, float] = field(default_factory=dict)
+    dropped: set[int] = field(default_factory=set)  # the decode worker forgets it, silently
 
 
 class FakeFleet:
@@ -78,6 +82,7 @@ class FakeFleet:
         self.drivers: dict[str, RequestDriver] = {}
         self.tasks: set[asyncio.Task] = set()
         self.entered = asyncio.Event()  # a blocked call was reached
+        self.holding: set[tuple[str, str, int]] = set()  # (decode worker, request, attempt)
 
     def candidates(self, pool):
         return [w for w in self.workers.values() if w.pool is pool and w.alive]
@@ -128,7 +133,8 @@ class FakeFleet:
         return PrefillResult(spec.request_id, spec.attempt, Status.OK, first)
 
     async def phase(self, name, rid, attempt):
-        return Phase.ABSENT
+        self.calls.append(("phase", name, rid, attempt))
+        return Phase.RUNNING if (name, rid, attempt) in self.holding else Phase.ABSENT
 
     async def cancel_on(self, names, request_id, notify=False, attempt=None):
         self.calls.append(("cancel_on", tuple(names)))
@@ -162,6 +168,19 @@ class FakeFleet:
             )
             return
         dies_after = self.script.decode_dies_after.get(spec.attempt)
+        held = (name, spec.request_id, spec.attempt)
+        if spec.attempt in self.script.dropped:
+            return  # never held, never a token
+        self.holding.add(held)
+        try:
+            await self._stream(name, spec, d, start, dies_after)
+        finally:
+            self.holding.discard(held)
+
+    async def _stream(self, name, spec, d, start, dies_after) -> None:
+        queued = self.script.queued_s.get(spec.attempt)
+        if queued:
+            await asyncio.sleep(queued)
         for pos in range(start, MAX_TOKENS):
             if dies_after is not None and pos - start >= dies_after:
                 self.kill(name)
@@ -204,7 +223,7 @@ class FakeLog:
 
 
 def env(fleet, mode=Mode.DISAGGREGATED, **config) -> DriverEnv:
-    cfg = RouterConfig(stall_timeout_s=5, local_prefill_max_tokens=0, **config)
+    cfg = RouterConfig(**{"stall_timeout_s": 5, "local_prefill_max_tokens": 0, **config})
     done: list = []
     e = DriverEnv("router-1", mode, cfg, Tok(), fleet, FakeLog(), done=done.append)
     e.finished = done
@@ -279,6 +298,21 @@ def test_a_replay_after_each_failure_ends_as_the_run_that_never_failed(script, c
     assert [c[2] for c in prefills] == [1, 2]
     assert prefills[1][4] == tuple(expected()[0][:sent])
     assert ("cancel_on", tuple(n for n in (attempts[0][2], attempts[0][3]) if n)) in e.fleet.calls
+
+
+def test_a_request_queued_past_the_stall_timeout_on_a_worker_that_holds_it_is_not_replayed():
+    """Overload is not failure: no token for five stall timeouts, but the decode worker
+    says each time that it still holds the request; it goes on in its first attempt."""
+    e, [d] = run(Script(queued_s={1: 1.0}), stall_timeout_s=0.2)
+    assert d.stream.tokens == expected()[0] and [a[1] for a in e.log.attempts] == [1]
+    assert d.failures == [] and e.replays.started == 0
+    assert d.waits >= 3 and ("phase", "decode-0", "r1", 1) in e.fleet.calls
+
+
+def test_a_request_its_worker_no_longer_holds_is_replayed_after_the_stall_timeout():
+    e, [d] = run(Script(dropped={1}), stall_timeout_s=0.2)
+    assert d.stream.tokens == expected()[0] and [a[1] for a in e.log.attempts] == [1, 2]
+    assert "no longer has it" in d.failures[0] and d.waits == 0
 
 
 def test_a_refused_reservation_tries_the_next_worker_then_waits_for_room():
