@@ -91,6 +91,14 @@ class RouterConfig:
             "(a tenant's own tenants.max_wait_s first; default: off)"
         ),
     )
+    admission_shed_wait_s: float | None = field(
+        default=None,
+        metadata=described(
+            "refuse a request whose predicted wait for a slot passes this many seconds "
+            "(RESOURCE_EXHAUSTED, HTTP 429, with a retry-after) rather than queue it "
+            "(default: off, every request queues up to max_queue)"
+        ),
+    )
     tenants: TenantsConfig = field(default_factory=TenantsConfig)
     max_resumes: int = field(
         default=1024, metadata=described("Resume streams open at once; past it: RESOURCE_EXHAUSTED")
@@ -175,5 +183,6 @@ class RouterConfig:
             raise bad("admission_policy", f"choose {', '.join(ADMISSION_POLICIES)}")
         if self.admission_aging_per_s < 0:
             raise bad("admission_aging_per_s", "must be >= 0")
-        if self.admission_max_wait_s is not None and self.admission_max_wait_s <= 0:
-            raise bad("admission_max_wait_s", "must be positive (or unset)")
+        for name in ("admission_max_wait_s", "admission_shed_wait_s"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise bad(name, "must be positive (or unset)")

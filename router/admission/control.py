@@ -57,6 +57,7 @@ class AdmissionControl:
             config.admission_fair_share,
             config.admission_aging_per_s,
             config.admission_max_wait_s,
+            shed_wait_s=config.admission_shed_wait_s,
         )
         self._tenants_version = 0  # of the overrides read from the store (0: none)
 

@@ -75,6 +75,21 @@ class Ticket:
         return self.ttft_deadline
 
 
+class Shed(RouterError):
+    """A request refused at admission: its predicted wait for a slot passes the bound. Not
+    final; worth a retry once the queue ahead has drained below the bound."""
+
+    def __init__(self, wait_s: float, bound_s: float) -> None:
+        retry_s = max(1.0, wait_s - bound_s)
+        super().__init__(
+            Status.RESOURCE_EXHAUSTED,
+            f"overloaded: a slot is predicted in {wait_s:.1f} s, past "
+            f"router.admission_shed_wait_s={bound_s:g}; retry in {retry_s:.0f} s",
+            final=False,
+            retry_after_s=retry_s,
+        )
+
+
 class FairQueue:
     def __init__(
         self,
@@ -85,8 +100,12 @@ class FairQueue:
         aging_per_s: float = 0.0,
         max_wait_s: float | None = None,
         clock=time.monotonic,
+        shed_wait_s: float | None = None,
     ) -> None:
+        """`shed_wait_s`: refuse a request whose predicted wait for its slots passes it
+        (`Shed`), rather than queue it to time out; None: queue every one."""
         self.total = self.free = total
+        self.shed_wait_s = shed_wait_s
         self.tenants = tenants
         self.clock = clock
         self.ledger = Ledger(fair_share)  # virtual tokens: served / weight
@@ -140,6 +159,10 @@ class FairQueue:
         if not self._waiting and self._fits(t, pol):
             self._grant(t)
             return
+        if self.shed_wait_s is not None:
+            wait_s = self.start_estimate(t)
+            if wait_s > self.shed_wait_s:
+                raise Shed(wait_s, self.shed_wait_s)
         t._fut = asyncio.get_running_loop().create_future()
         self._waiting.append(t)
         if t.reject_if_late and t.ttft_deadline is not None:

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from router.admission.control import AdmissionControl
+from router.admission.fair import Shed
 from router.admission.request import Admission
 from router.config import Mode, RouterConfig
 from router.errors import RouterError
@@ -174,7 +175,9 @@ class Router:
         try:
             await self.admission.acquire(ticket)
         except RouterError as e:
-            if e.status is Status.RESOURCE_EXHAUSTED:  # reject_if_late, while it waited
+            if isinstance(e, Shed):  # its predicted wait passed admission_shed_wait_s
+                self.metrics.refused(timer.tenant_tags, "shed")
+            elif e.status is Status.RESOURCE_EXHAUSTED:  # reject_if_late, while it waited
                 self.metrics.refused(timer.tenant_tags, "late")
             raise
         finally:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from router.admission.fair import FairQueue, Ticket
+from router.admission.fair import FairQueue, Shed, Ticket
 from router.admission.tenants import TenantTable, TokenBucket
 from router.errors import RouterError
 from router.tenant_policy import TenantsConfig
@@ -206,6 +206,48 @@ def test_a_deadline_is_judged_by_the_slots_owed_not_by_the_floods_queue():
         return q.running["b"]
 
     assert asyncio.run(go()) == 1
+
+
+def test_a_request_predicted_to_wait_past_the_shed_bound_is_refused_with_when_to_retry():
+    """Overload is refused at the door, not queued to time out: slots held 5 s each, two of
+    them, both taken. A third request waits 2.5 s (in, under a 3 s bound), a fourth 5 s
+    (refused, retry in 2 s, nothing left queued); another tenant, owed its share, goes in."""
+
+    async def go():
+        q = queue(2, shed_wait_s=3.0)
+        q.hold_s.add(10, 5.0)
+        for _ in range(2):
+            await q.acquire(Ticket("a", predicted_tokens=10))
+        third = asyncio.create_task(q.acquire(Ticket("a", predicted_tokens=10)))
+        await asyncio.sleep(0)
+        with pytest.raises(Shed) as refused:
+            await q.acquire(Ticket("a", predicted_tokens=10))
+        assert q.depth == 1  # the third, still waiting; the refused one left no trace
+        await q.acquire(Ticket("b", predicted_tokens=10))  # owed: in past a's flood
+        assert q.running["b"] == 1
+        third.cancel()
+        await asyncio.gather(third, return_exceptions=True)
+        return refused.value
+
+    e = asyncio.run(go())
+    assert e.status is Status.RESOURCE_EXHAUSTED and not e.final
+    assert e.retry_after_s == pytest.approx(2.0) and "admission_shed_wait_s" in e.message
+
+
+def test_without_a_shed_bound_every_request_queues():
+    async def go():
+        q = queue(1)
+        q.hold_s.add(10, 60.0)
+        await q.acquire(Ticket("a", predicted_tokens=10))
+        waiting = [asyncio.create_task(q.acquire(Ticket("a"))) for _ in range(5)]
+        await asyncio.sleep(0)
+        depth = q.depth
+        for t in waiting:
+            t.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        return depth
+
+    assert asyncio.run(go()) == 5
 
 
 def test_weights_give_slots_in_their_ratio():
