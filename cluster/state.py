@@ -202,7 +202,7 @@ def _flat(d: dict) -> list:
 _HEALTH_CHECK_S = 0.5
 
 
-def _connection_options(timeout_s: float) -> dict:
+def _connection_options(timeout_s: float, connection: type) -> dict:
     """The options both store clients connect with.
 
     CLIENT SETINFO is turned off. redis-py (5.0 on) pipelines it in the connection handshake
@@ -210,7 +210,7 @@ def _connection_options(timeout_s: float) -> dict:
     PING reads SETINFO's reply instead of PONG, and on a Redis older than 7.2, which answers
     SETINFO with an error, the whole connect fails ("unknown subcommand 'SETINFO'"): a
     request refused for a label that Tandem never reads."""
-    params = inspect.signature(redis.connection.AbstractConnection.__init__).parameters
+    params = inspect.signature(connection.__init__).parameters  # the client's own class
     no_setinfo = {"lib_name": None, "lib_version": None}  # redis-py before driver_info
     if "driver_info" in params:
         no_setinfo = {"driver_info": None}
@@ -229,7 +229,9 @@ class RedisStore:
     def __init__(self, url: str, ttl_s: int = 3600, timeout_s: float = 5.0) -> None:
         self.url, self.ttl_s, self.timeout_s = url, ttl_s, timeout_s
         self.r = aioredis.Redis.from_url(
-            url, retry=AsyncRetry(NoBackoff(), 1), **_connection_options(timeout_s)
+            url,
+            retry=AsyncRetry(NoBackoff(), 1),
+            **_connection_options(timeout_s, aioredis.connection.AbstractConnection),
         )
         self._append = self.r.register_script(APPEND_SCRIPT)
         self._begin = self.r.register_script(BEGIN_SCRIPT)
@@ -393,7 +395,9 @@ class RedisTokenLog:
     def _client(self) -> redis.Redis:
         if self._r is None:
             self._r = redis.Redis.from_url(
-                self.url, retry=Retry(NoBackoff(), 1), **_connection_options(self.timeout_s)
+                self.url,
+                retry=Retry(NoBackoff(), 1),
+                **_connection_options(self.timeout_s, redis.connection.AbstractConnection),
             )
             self._script = self._r.register_script(APPEND_SCRIPT)
         return self._r

@@ -12,7 +12,9 @@ transfer fails, or no token comes for `stall_timeout_s` and its workers no longe
 request queued behind others on a live worker is overload, not failure: the worker answering
 that it holds the request (an answer from its engine loop, between two steps) keeps the
 attempt going, however long the queue; a hung step is the fleet's to find (fleet.py), and
-its news fails the attempt. Only UNAVAILABLE failures are
+its news fails the attempt; and a request held yet silent for HELD_STALLS stall timeouts in a
+row is given up all the same, a backstop against a worker that keeps a request it lost track
+of. Only UNAVAILABLE failures are
 replayed, at most `max_retries` times; the request then ends with UNAVAILABLE naming every
 cause. The seed is fixed at admission and draws depend only on (seed, position), so a replay
 produces exactly the tokens the first attempt would have: the stream drops the overlap and
@@ -56,6 +58,9 @@ from workers.messages import (
 )
 
 log = logging.getLogger(__name__)
+
+# Stall timeouts in a row that an attempt rides out while its workers say they hold it.
+HELD_STALLS = 10
 
 
 @dataclass(frozen=True)
@@ -356,24 +361,35 @@ class RequestDriver:
     async def _events(self, attempt: int, landed: bool) -> TokenEvent:
         stall = self.env.config.stall_timeout_s
         self.landed = landed
+        silent = 0  # stall timeouts in a row with no event, its workers holding it
         while True:
             try:
                 item = await asyncio.wait_for(self.inbox.get(), stall)
             except TimeoutError:
-                if await self._still_running(self.decode, self.prefill, attempt):
-                    if not self.waits:  # queued where it runs: overload, not failure
+                held = silent + 1 < HELD_STALLS and await self._still_running(
+                    self.decode, self.prefill, attempt
+                )
+                if held:  # queued where it runs: overload, not failure
+                    if not silent:
                         log.info(
                             "request %s: no token for %.0f s, still held by %s; waiting on",
                             self.request_id,
                             stall,
                             self.decode if self.landed else f"{self.prefill} and {self.decode}",
                         )
+                    silent += 1
                     self.waits += 1
                     continue
+                why = (
+                    f"held but silent for {HELD_STALLS} stall timeouts"
+                    if silent
+                    else "and it no longer has it (or did not answer)"
+                )
                 raise AttemptFailed(
                     Status.UNAVAILABLE,
-                    f"no tokens from {self.decode} for {stall:.0f} s, and it no longer has it",
+                    f"no tokens from {self.decode} for {(silent + 1) * stall:.0f} s, {why}",
                 ) from None
+            silent = 0
             if isinstance(item, WorkerLost):
                 if item.name == self.decode or (item.name == self.prefill and not self.landed):
                     phase = "" if self.landed else " before the KV landed"

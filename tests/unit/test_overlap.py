@@ -276,3 +276,56 @@ def test_a_failing_step_fails_its_requests_after_the_step_before_streams(pair, m
     got = same_streams(pair, scenario)
     assert all(g["end"][0] == "error" and "device lost" in g["end"][1] for g in got.values())
     assert [len(got[(i, 0)]["ids"]) for i in range(4)] == [3, 3, 3, 2]  # steps 1 to 3
+
+
+def test_an_id_ended_and_taken_again_while_a_step_runs_is_another_request(pair):
+    """Aborted with its token in flight, then its id given to a new request before the step
+    lands: the landing drops the old request's token, and never touches the new one."""
+    fresh, _ = drive(pair[0], {0: [(PROMPTS[1], greedy(6), {})]})
+    for engine in pair:
+        engine.add_request(PROMPTS[0], greedy(20), request_id="r")
+        for _ in range(4):
+            engine.step()
+        assert engine.abort("r")
+        engine.add_request(PROMPTS[1], greedy(6), request_id="r")
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+        assert [t for o in outs for t in o.new_token_ids] == fresh[(0, 0)]["ids"]
+        assert outs[-1].finished and outs[-1].finish_reason == "length"
+        s = engine.stats()
+        assert s.kv_blocks_free == s.kv_blocks_total
+
+
+def test_pacing_charges_a_span_to_the_step_whose_tokens_it_waited_for(tiny_llama_dir):
+    """With a step left running, the span between two steps' starts is spent waiting for
+    the step before: pacing learns each step's cost under that step's shape."""
+    from tests.unit.sched_helpers import make_request, make_scheduler
+    from workers.engine.scheduler_output import SampledToken
+
+    clock = [100.0]
+    s = make_scheduler(
+        num_blocks=512, block_size=4, prefill_chunk_size=16, max_num_batched_tokens=64,
+        target_tpot_ms=50.0, clock=lambda: clock[0],
+    )  # fmt: skip
+    seen = []
+    s.gates.pacer.observe = lambda d, p, seconds, now: seen.append((d, p, round(seconds, 6)))
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", prompt_len=40, max_tokens=6))
+
+    def cost(out):  # what the device takes for a step of this shape
+        return 0.010 + 0.001 * len(out.decodes) + 0.0001 * sum(p.num_tokens for p in out.prefills)
+
+    flight = None
+    for _ in range(12):
+        out = s.schedule()
+        if not out.scheduled:
+            break
+        if flight is not None:  # wait for the step in flight, then land it
+            clock[0] += cost(flight)
+            s.resolve(flight, [SampledToken(r.request_id, 7) for r in flight.scheduled if r.sample])
+        s.advance(out)
+        flight = out
+    assert len(seen) >= 6 and {p > 0 for _, p, _ in seen} == {True, False}  # both kinds
+    for d, p, seconds in seen:
+        assert seconds == round(0.010 + 0.001 * d + 0.0001 * p, 6), (d, p, seconds)

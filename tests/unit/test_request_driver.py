@@ -309,6 +309,12 @@ def test_a_request_queued_past_the_stall_timeout_on_a_worker_that_holds_it_is_no
     assert d.waits >= 3 and ("phase", "decode-0", "r1", 1) in e.fleet.calls
 
 
+def test_a_request_held_but_silent_for_ten_stall_timeouts_is_replayed_all_the_same():
+    e, [d] = run(Script(queued_s={1: 2.0}), stall_timeout_s=0.05)
+    assert d.stream.tokens == expected()[0] and [a[1] for a in e.log.attempts] == [1, 2]
+    assert "held but silent for 10 stall timeouts" in d.failures[0] and d.waits == 9
+
+
 def test_a_request_its_worker_no_longer_holds_is_replayed_after_the_stall_timeout():
     e, [d] = run(Script(dropped={1}), stall_timeout_s=0.2)
     assert d.stream.tokens == expected()[0] and [a[1] for a in e.log.attempts] == [1, 2]

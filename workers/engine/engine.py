@@ -1,11 +1,12 @@
 """LLMEngine: requests in, token deltas out, one `step()` at a time.
 
-    step = schedule -> launch on the model -> advance bookkeeping -> land the tokens
-           (resolve them, apply stop strings)
+    step N = schedule N -> launch N -> land N - 1, if left running (resolve its tokens,
+             apply stop strings) -> advance N's bookkeeping -> land N, unless left running
 
 With overlap (on CUDA by default), a step is left running on the device when `step()`
 returns, and landed by the next call once that call has launched the step after it: the
-host's scheduling hides behind the device's work (`step` says what falls back to waiting).
+host's scheduling hides behind the device's work (`_overlaps` says what is waited for). The
+order matters: N - 1 lands before N advances, so the blocks N publishes hash real tokens.
 The engine holds no threads but the one that builds constrained rows' masks while a step's
 model runs (grammar.py); the offline API and the workers drive `step()` in their loops.
 Disaggregation uses it through a small API, never through the scheduler or block pool:
@@ -423,12 +424,12 @@ class LLMEngine:
 
     # -- the loop body ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule and launch a step, and return the outputs of the step before it, or of
-        this one when it cannot be left running (see `_overlaps`). With overlap on, a step
-        stays in flight between calls: the host schedules and launches the next one while
-        the device runs it, and the next step's decodes take its tokens on the device. A row
-        whose request ended in the step before (a stop, EOS) computes one token too many;
-        that token is dropped, never returned, streamed or logged."""
+        """Schedule and launch a step; return the outputs of the step before it if that one
+        was left running, and this one's unless it is left running (see `_overlaps`). With
+        overlap, a step stays in flight between calls: the host schedules and launches the
+        next one while the device runs it, and the next step's decodes take its tokens on
+        the device. A row whose request ended in the step before (a stop, EOS) computes one
+        token too many; that token is dropped, never returned, streamed or logged."""
         out = self.scheduler.schedule()
         results = [o for req, err in out.failed for o in self._ended_with_error(req, err)]
         prev, self._in_flight = self._in_flight, None
@@ -497,12 +498,15 @@ class LLMEngine:
         ids = [s.request_id for s in out.scheduled]
         log.error("model step failed; failing its %d requests: %s", len(ids), ids, exc_info=e)
         error = f"{type(e).__name__}: {e}"
-        results = []
+        results, sched = [], self.scheduler
         for s in out.scheduled:
-            req = self.scheduler.requests.get(s.request_id)
-            if req is not None and req.pending:  # launched and advanced: its draw is lost
-                req.output_token_ids.pop()
-            req = self.scheduler.finish_request(
+            if out.advanced:  # it landed: only what it advanced, if still live here
+                req = sched.advanced(out, s.request_id)
+                if req is None:
+                    continue  # ended meanwhile (its id perhaps taken again)
+                if s.sample:
+                    req.output_token_ids.pop()  # the token it drew is lost
+            req = sched.finish_request(
                 s.request_id, RequestStatus.FINISHED_ERROR, error, ErrorKind.STEP_FAILED
             )
             if req is not None:

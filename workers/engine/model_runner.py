@@ -121,7 +121,8 @@ class ModelRunner:
     ) -> LaunchedStep:
         """Queue one step on the device; `layer_done(i)`, if given, is called as each layer
         has written its KV. Its inputs reach the device in one copy (step_io.py) and its
-        sampled tokens start back in one; nothing on the way waits for the device.
+        sampled tokens start back in one; nothing on the way waits for the device, but a
+        grammar row's mask (built on the host, and sent as it is).
 
         A row whose last token is PENDING (a decode scheduled while the step that draws
         that token ran) takes it from `prev`'s sampled ids, on the device."""

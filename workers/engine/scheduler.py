@@ -227,6 +227,9 @@ class Scheduler:
             req = self.waiting[i]
             if before is not None and self.policy.key(req) >= before:
                 break
+            if req.pending and ends_by_length(req, self.config.max_model_len):
+                i += 1  # preempted with its last token in flight: nothing left to compute
+                continue
             ahead = self.policy.admits_ahead
             if ahead and gate.defers_chunk(req, gate.new_tokens(req, budget), out):
                 i += 1
@@ -281,10 +284,17 @@ class Scheduler:
             req = self.requests.get(sched.request_id)
             if req is None:
                 continue  # cancelled while the step ran; its blocks are already free
+            out.advanced[req.request_id] = req
             req.num_computed_tokens += sched.num_tokens
             self.kv.publish(req)  # every token it hashes was resolved before this step ran
             if sched.sample:
                 req.output_token_ids.append(PENDING)
+
+    def advanced(self, out: SchedulerOutput, request_id: str) -> Request | None:
+        """The request `advance` advanced under this id, if it is still live here (not
+        ended, nor its id taken again by another)."""
+        req = out.advanced.get(request_id)
+        return req if req is not None and self.requests.get(request_id) is req else None
 
     def resolve(
         self, out: SchedulerOutput, sampled: list[SampledToken]
@@ -296,15 +306,11 @@ class Scheduler:
         results = []
         now = self.clock()
         for sched in out.scheduled:
-            req = self.requests.get(sched.request_id)
+            req = self.advanced(out, sched.request_id)
             if req is None or not sched.sample:
                 continue  # ended while the step ran: its token is dropped with it
             assert req.pending, f"{req.request_id}: resolved without a pending token"
-            tok = by_id.get(sched.request_id)
-            if tok is None:  # the step drew nothing for it
-                req.output_token_ids.pop()
-                continue
-            members = [(req, tok)]
+            members = [(req, by_id[sched.request_id])]
             for index in sched.forks:  # before the parent may end and free its blocks
                 child = self._fork(req, index)  # shares the parent's computed tokens
                 members.append((child, by_id[choice_id(req.request_id, index)]))
@@ -321,6 +327,7 @@ class Scheduler:
                 if status is not None:
                     self.finish_request(r.request_id, status)
                 results.append((r, [t.token_id]))
+        self.gates.landed(out)
         return results
 
     def fork_prefilled(self, parent: Request, index: int, first: SampledToken) -> Request:

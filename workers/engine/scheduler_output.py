@@ -46,6 +46,9 @@ class SchedulerOutput:
     # (source, destination) blocks to copy before the step runs: copy-on-write of a shared
     # last block that a sequence writes this step.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Set by Scheduler.advance: the requests it advanced, by id. Landing the step touches
+    # only these very objects: an id ended and taken again meanwhile is another request.
+    advanced: dict[str, Request] = field(default_factory=dict)
 
     @property
     def scheduled(self) -> list[ScheduledRequest]:

@@ -129,7 +129,8 @@ class Gatekeeper:
         self.pacer = DecodePacer(target, block_size) if config.enable_chunked_prefill else None
         self._held_back: dict[str, float] = {}  # decodes held back, since when
         self._yielded_for: str | None = None  # the last request others' decodes waited for
-        self._last: tuple[SchedulerOutput, float] | None = None  # the last step, when it began
+        self._began: float | None = None  # when the last step with work began
+        self._landed: SchedulerOutput | None = None  # the last step whose tokens came in
 
     def open(
         self, running: list[Request], waiting: list[Request], kv: KVCacheManager, admit: bool
@@ -153,9 +154,13 @@ class Gatekeeper:
         return gate
 
     def close(self, gate: StepGate, out: SchedulerOutput) -> None:
-        """The step is scheduled: pacing times it by the next one's start."""
+        """The step is scheduled: pacing times the span to the next one's start."""
         if self.pacer is not None and out.scheduled:
-            self._last = (out, gate.now)
+            self._began = gate.now
+
+    def landed(self, out: SchedulerOutput) -> None:
+        """A step's tokens came in: the span in which they did is charged to its shape."""
+        self._landed = out
 
     def held(self, request_id: str) -> None:
         """Its decode is held back this step: since now, unless it already was."""
@@ -172,17 +177,19 @@ class Gatekeeper:
 
     def idle(self) -> None:
         """Nothing is left to run: the next step's start times nothing."""
-        self._last = None
+        self._began = self._landed = None
 
     def _observe_last_step(self, now: float) -> None:
         """Pacing learns what a step costs from the time between two steps' starts: the model
         run and all the worker does around it (its outputs handed on, commands applied),
-        which is what the sequences' tokens wait for."""
-        if self._last is not None:
-            out, started = self._last
-            self._last = None
+        which is what the sequences' tokens wait for. The span is charged to the step that
+        landed in it: the one it began, or with overlap (engine.py) the one before, whose
+        device time the span waited out."""
+        began, out = self._began, self._landed
+        self._began = self._landed = None
+        if began is not None and out is not None:
             prompt_tokens = sum(p.num_tokens for p in out.prefills)
-            self.pacer.observe(len(out.decodes), prompt_tokens, now - started, now)
+            self.pacer.observe(len(out.decodes), prompt_tokens, now - began, now)
 
     def _yielding_to_first_token(
         self, gate: StepGate, running: list[Request], waiting: list[Request], kv: KVCacheManager
