@@ -20,6 +20,7 @@ CHECKS = {
     "gloo-stalled-op",
     "gloo-peer-never-joins",
     "graphs",
+    "overlap",
 }
 # The quick form's figures, each against its floor (the card's bandwidth has none).
 FIGURES = {"read-bandwidth", "decode-step-b1", "decode-step-b16", "prefill", "offline"}
