@@ -144,24 +144,11 @@ def matmul_flops(cfg: ModelConfig, rows: int, logits_rows: int) -> float:
     )
 
 
-def _timed(fn, dev: torch.device, repeats: int) -> float:
-    """Median seconds of `fn()` over `repeats` runs, after one to warm."""
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _per_call(fn, dev: torch.device, calls: int, repeats: int = 3) -> float:
-    """Median, over `repeats` runs of `calls` calls back to back with one wait for the device
-    at the end, of the seconds per call: a step left running (overlap) is counted where it
-    runs, behind the host's work on the next, as in serving."""
+def _timed(fn, dev: torch.device, repeats: int, calls: int = 1) -> float:
+    """Median seconds a call of `fn()`, over `repeats` runs of `calls` calls back to back
+    with one wait for the device at the end, after one call to warm. With several calls, a
+    step left running (overlap) is counted where it runs, behind the host's work on the
+    next, as in serving."""
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     fn()
     sync()
@@ -260,7 +247,7 @@ def decode_steps(model, dev, plan: Plan) -> dict[int, float]:
             r.num_computed_tokens < r.num_prompt_tokens for r in sched.running
         ):
             engine.step()
-        out[batch] = _per_call(engine.step, dev, plan.steps)
+        out[batch] = _timed(engine.step, dev, 3, calls=plan.steps)
         if len(sched.running) != batch:
             raise RuntimeError(f"{len(sched.running)} of {batch} rows running")
         for i in ids:

@@ -9,6 +9,7 @@ of blocks at a time; the attention backends read it as a (K, V) pair of views.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -275,7 +276,11 @@ class LaunchedStep:
         self.token_ids = result.token_ids if result is not None else None
         self.logprobs = result is not None and result.logprobs is not None
         self.top = result is not None and result.top_ids is not None
-        self.rows = {s.request_id: i for i, s in enumerate(samplers)}
+
+    @functools.cached_property
+    def rows(self) -> dict[str, int]:
+        """Request id -> its row of `token_ids`; built only for a next step that reads it."""
+        return {s.request_id: i for i, s in enumerate(self.samplers)}
 
     def result(self) -> list[SampledToken]:
         """The step's sampled tokens, once the device has them (waits if need be)."""
