@@ -57,6 +57,26 @@ def run_worker(name: str, cmd: list[str], job: dict, timeout: float, env=None):
     return None, f"exit {proc.returncode}: {tail[-500:]}"
 
 
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+
+
+def machine() -> dict:
+    """The CPU the figures were taken on: its model, the instruction sets Tandem's kernels
+    choose between, and the cores torch may use. Recorded beside every benchmark's figures."""
+    from workers.model.cpu_kernels import cpu_info
+
+    model, flags = cpu_info()
+    return {
+        "cpu": model,
+        "flags": [f for f in ISA_FLAGS if f in flags],
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    }
+
+
+def describe_machine(m: dict) -> str:
+    return f"{m['cpu']} ({', '.join(m['flags']) or 'no AVX2'}), {m['cores']} cores"
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 

@@ -3,7 +3,7 @@ prompt length, Tandem's engine beside vLLM's, in one run.
 
     python benchmarks/step_latency.py [--batches 1,16] [--contexts 128,1024]
         [--prefills 512,1500,4000] [--steps 32] [--runs 3] [--dtype bfloat16]
-        [--systems tandem,vllm,vllm-eager]
+        [--systems tandem,vllm,vllm-eager] [--quantization none,int8]
 
 Decode: for each (batch B, context C), B prompts of C fresh random token ids (no prefix cache
 helps) are prefilled untimed; then each step in which every sequence decodes one token is timed
@@ -64,6 +64,7 @@ class TandemEngine:
             EngineConfig(
                 model=job["model_dir"],
                 dtype=job["dtype"],
+                quantization=job.get("quantization", "none"),
                 max_num_seqs=max(job["batches"]),
                 max_model_len=model_len(job),
                 num_threads=job["threads"],
@@ -376,6 +377,12 @@ def main() -> None:
         help="rows running in the scheduler-cost table (0: none)",
     )
     p.add_argument("--systems", default="tandem,vllm,vllm-eager")
+    p.add_argument(
+        "--quantization",
+        default="none",
+        help="Tandem's weights, comma-separated: each Tandem system runs once per value "
+        "(none, int8), as tandem and tandem-int8; vLLM runs at --dtype",
+    )
     p.add_argument("--vllm-python", type=Path, default=None)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per system")
     p.add_argument("--out", type=Path, default=None)
@@ -388,8 +395,10 @@ def main() -> None:
     from benchmarks.common import (
         DEFAULT_VLLM_PYTHON,
         RESULTS,
+        describe_machine,
         export_default_model,
         log,
+        machine,
         print_table,
     )
 
@@ -402,6 +411,11 @@ def main() -> None:
         p.error("--batches and --contexts need positive values (and --prefills, if any)")
     if args.steps <= 0 or args.runs <= 0:
         p.error("--steps and --runs must be positive")
+    from workers.engine.config import QUANTIZATIONS
+
+    quantizations = args.quantization.split(",")
+    if not quantizations or set(quantizations) - set(QUANTIZATIONS):
+        p.error(f"--quantization: choose from {', '.join(QUANTIZATIONS)}")
     out = args.out or RESULTS / "step_latency.json"
     job = {
         "model_dir": str(export_default_model(RESULTS / "smollm2-135m-instruct-hf")),
@@ -413,13 +427,19 @@ def main() -> None:
         "runs": args.runs,
         "threads": args.threads,
         "vllm_default_binding": args.vllm_default_binding,
+        "machine": machine(),
     }
     log(
         f"batches {batches}, contexts {contexts}, prefills {prefills}, {args.steps} steps, "
-        f"{args.runs} runs, {args.dtype}, systems {systems}"
+        f"{args.runs} runs, {args.dtype}, systems {systems}, quantization {quantizations}; "
+        f"{describe_machine(job['machine'])}"
     )
     vllm_python = args.vllm_python or DEFAULT_VLLM_PYTHON
-    results = {s: run_system(s, job, vllm_python, args.timeout) for s in systems}
+    results = {}
+    for s in systems:
+        for q in quantizations if s.startswith("tandem") else ["none"]:
+            label = s if q == "none" else f"{s}-{q}"
+            results[label] = run_system(s, {**job, "quantization": q}, vllm_python, args.timeout)
     if args.scheduler_rows > 0:
         results["scheduler"] = scheduler_cost(args.scheduler_rows, args.steps, args.runs)
 
@@ -429,22 +449,35 @@ def main() -> None:
     vllm = results.get("vllm", {})
     ref_decode = {(r["batch"], r["context"]): r["median_ms"] for r in vllm.get("decode", [])}
     ref_prefill = {r["tokens"]: r["median_ms"] for r in vllm.get("prefill", [])}
+
+    def unquantized(name: str) -> dict:
+        """The same system's run at full-width weights, for a quantized run's ratio."""
+        base = name
+        for q in quantizations:
+            base = base.removesuffix(f"-{q}")
+        return results.get(base, {}) if base != name else {}
+
     decode_rows, prefill_rows = [], []
     for name, res in results.items():
         if name == "scheduler":
             continue
         if "decode" not in res:
             why = res.get("skipped") or res.get("error", "")[:60]
-            decode_rows.append([name, "-", "-", "-", "-", why])
+            decode_rows.append([name, "-", "-", "-", "-", "-", why])
             continue
+        base = unquantized(name)
+        base_decode = {(r["batch"], r["context"]): r["median_ms"] for r in base.get("decode", [])}
+        base_prefill = {r["tokens"]: r["median_ms"] for r in base.get("prefill", [])}
         for r in res["decode"]:
+            key = (r["batch"], r["context"])
             decode_rows.append(
                 [
                     name,
                     r["context"],
                     r["batch"],
                     f"{r['median_ms']:.1f}",
-                    ratio(r["median_ms"], ref_decode.get((r["batch"], r["context"]))),
+                    ratio(r["median_ms"], ref_decode.get(key)),
+                    ratio(r["median_ms"], base_decode.get(key)),
                     " ".join(f"{x:.1f}" for x in r["runs_ms"]),
                 ]
             )
@@ -455,13 +488,20 @@ def main() -> None:
                     r["tokens"],
                     f"{r['median_ms']:.0f}",
                     ratio(r["median_ms"], ref_prefill.get(r["tokens"])),
+                    ratio(r["median_ms"], base_prefill.get(r["tokens"])),
                     " ".join(f"{x:.0f}" for x in r["runs_ms"]),
                 ]
             )
-    print_table(["system", "context", "batch", "step p50 ms", "of vllm", "runs"], decode_rows)
+    print(describe_machine(job["machine"]))
+    print_table(
+        ["system", "context", "batch", "step p50 ms", "of vllm", "of unquantized", "runs"],
+        decode_rows,
+    )
     if prefill_rows:
         print()
-        print_table(["system", "prompt", "prefill ms", "of vllm", "runs"], prefill_rows)
+        print_table(
+            ["system", "prompt", "prefill ms", "of vllm", "of unquantized", "runs"], prefill_rows
+        )
     if "scheduler" in results:
         r = results["scheduler"]
         print()
@@ -483,7 +523,8 @@ def main() -> None:
     plot(
         results,
         out.with_suffix(".png"),
-        f"{args.dtype}, {args.threads} threads, median of {args.runs} runs",
+        f"{args.dtype}, {args.threads} threads, median of {args.runs} runs; "
+        f"{describe_machine(job['machine'])}",
     )
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

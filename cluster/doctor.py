@@ -92,6 +92,7 @@ def examine(cfg: ClusterConfig, ray_gpus: float | None = None) -> Report:
     triton = version("triton")
     r.offers.append(("Triton", triton or "not installed"))
     r.offers.append(("CPU kernels", _cpu_kernels()))
+    r.offers.append(("int8 weights (CPU)", _int8_kernel()))
     r.offers.append(("redis-server", shutil.which("redis-server") or "not on PATH"))
     r.offers.append(("Ray", _ray_auth(version("ray"))))
     _needs(r, cfg, torch_version, cuda, ray_gpus if ray_gpus is not None else gpus, nccl, flash)
@@ -107,7 +108,9 @@ def _needs(r: Report, cfg: ClusterConfig, torch_version, cuda, gpus, nccl, flash
         r.needs.append(
             (
                 f"{pool.value} workers",
-                f"{e.device}, {e.dtype}, KV blocks of {e.block_size} tokens, "
+                f"{e.device}, {e.dtype}"
+                + (f", {e.quantization} weights" if e.quantization != "none" else "")
+                + f", KV blocks of {e.block_size} tokens, "
                 f"attention {e.attention_backend}, on {where}",
             )
         )
@@ -187,6 +190,22 @@ def _cpu_kernels() -> str:
     if cpu_kernels.built():
         return "built for this CPU"
     return "not built yet: the first CPU worker compiles them (about 30 s; needs g++)"
+
+
+def _int8_kernel() -> str:
+    """Which path quantization: int8 takes on this CPU, from its flags (the kernels are built
+    for the CPU they run on, so its flags decide without a build)."""
+    from workers.model import cpu_kernels
+    from workers.model.linear import INT8_KERNEL_ENV
+
+    if cpu_kernels.switched_off():
+        return "unavailable: needs Tandem's CPU kernels (TANDEM_CPU_KERNELS=0)"
+    _, flags = cpu_kernels.cpu_info()
+    if os.environ.get(INT8_KERNEL_ENV) == "portable":
+        return f"portable C++ kernel ({INT8_KERNEL_ENV}=portable)"
+    if {"avx512_vnni", "avx512bw"} <= flags:
+        return "AVX512-VNNI kernel"
+    return "portable C++ kernel (no AVX512-VNNI on this CPU): the same results, slower"
 
 
 def _ray_auth(ray_version: str | None) -> str:

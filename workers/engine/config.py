@@ -14,6 +14,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = order_names(Side.ENGINE)  # the orders an engine serves (orders.py)
 BATCHING = ("continuous", "static")
 OVERLAP = ("auto", "on", "off")
+QUANTIZATIONS = ("none", "int8")  # of linear weights (workers/model/linear.py)
 # What "auto" resolves to on each kind of device: a dtype and block size every backend there
 # takes (flash-attn's pages are 256 tokens; the fallbacks take any size). On a GPU older than
 # sm80, which has no bf16 arithmetic, the dtype is float16 instead (`EngineConfig.resolve`).
@@ -93,6 +94,14 @@ class EngineConfig:
     device: str = field(
         default="auto",
         metadata=described("auto, cpu or cuda[:N] (auto: CUDA where a GPU is at hand)"),
+    )
+    quantization: str = field(
+        default="none",
+        metadata=described(
+            "int8: linear weights in int8 per output channel, quantized at load, against "
+            "activations quantized per row (CPU only; the KV cache keeps dtype)",
+            choices=QUANTIZATIONS,
+        ),
     )
     attention_backend: str = field(
         default="auto",
@@ -187,6 +196,15 @@ class EngineConfig:
             raise ValueError(f"overlap={self.overlap!r}: choose from {', '.join(OVERLAP)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: choose from {', '.join(DTYPES)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization={self.quantization!r}: choose from {', '.join(QUANTIZATIONS)}"
+            )
+        if self.quantization == "int8" and self.device.startswith("cuda"):
+            raise ValueError(
+                "quantization='int8' runs on the CPU only; int8 and fp8 weights on CUDA are "
+                "not built (device='cpu', or quantization='none')"
+            )
         if self.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device={self.device!r}: choose auto, cpu or cuda[:N]")
         if self.device == "cpu" and self.dtype == "float16":

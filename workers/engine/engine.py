@@ -89,7 +89,12 @@ class LLMEngine:
         self.source = resolve_model(config.model) if model is None or tokenizer is None else None
         self.tokenizer = tokenizer or Tokenizer(self.source)
         if model is None:
-            model = build_model(self.source, getattr(torch, config.dtype), device)
+            model = build_model(
+                self.source,
+                getattr(torch, config.dtype),
+                device,
+                quantization=config.quantization,
+            )
         self.model_config = model.cfg
         self.max_model_len = config.context_len(model.cfg.max_position_embeddings)
         num_blocks = config.num_kv_blocks or config.kv_blocks(
@@ -124,10 +129,11 @@ class LLMEngine:
             Callable[[list[tuple[str, list[int], int]]], Callable[[int], None] | None] | None
         ) = None
         log.info(
-            "engine ready: %s on %s, %s, %d KV blocks of %d tokens, backend %s%s",
+            "engine ready: %s on %s, %s%s, %d KV blocks of %d tokens, backend %s%s",
             self.source.path.name if self.source else "a model passed in",
             device,
             config.dtype,
+            ", int8 weights" if config.quantization == "int8" else "",
             num_blocks,
             config.block_size,
             self.runner.backend.name,

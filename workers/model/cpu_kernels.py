@@ -14,6 +14,9 @@ and cached (TORCH_EXTENSIONS_DIR, about 30 s once per machine):
 - `argmax_rows`: greedy picks over the vocabulary (torch's argmax is ten times slower).
 - `pack_linear_bf16`, `linear_bf16`: bf16 linear layers on CPUs with AVX512-BF16
   (csrc/linear_bf16_cpu.cpp; `linear_bf16_supported` says whether this build has them).
+- `pack_linear_int8`, `linear_int8`: int8 weights (quantization: int8) against activations
+  quantized per row, on AVX512-VNNI where built, else on a portable path with the same,
+  exact integer arithmetic (csrc/linear_int8_cpu.cpp).
 - `prefill_attention_bf16`: a bf16 prefill chunk's causal attention read off the paged cache,
   flash-style on the same instructions (csrc/prefill_attention_cpu.cpp); torch's CPU flash
   kernel computes in fp32 and reaches about half its speed.
@@ -37,6 +40,7 @@ _SOURCES = [
     _CSRC / "paged_attention_cpu.cpp",
     _CSRC / "layer_ops_cpu.cpp",
     _CSRC / "linear_bf16_cpu.cpp",
+    _CSRC / "linear_int8_cpu.cpp",
     _CSRC / "prefill_attention_cpu.cpp",
 ]
 _FUNCTIONS = [
@@ -52,6 +56,9 @@ _FUNCTIONS = [
     "linear_bf16_supported",
     "pack_linear_bf16",
     "linear_bf16",
+    "linear_int8_vnni_supported",
+    "pack_linear_int8",
+    "linear_int8",
     "prefill_attention_bf16_supported",
     "prefill_attention_bf16",
 ]
@@ -83,22 +90,36 @@ def cpu_kernels():
         return _module
 
 
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """This CPU's model name and its flags (/proc/cpuinfo; elsewhere the platform's name
+    and no flags)."""
+    model, flags = None, frozenset()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model is None:
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = frozenset(value.split())
+    except OSError:
+        pass
+    if model is None:
+        import platform
+
+        model = platform.processor() or platform.machine()
+    return model, flags
+
+
 def _cpu_tag() -> str:
     """A short hash of this CPU's model and flags: the build is `-march=native`, and torch's
     cache keys only on sources and flags, so a cache shared between different CPUs must not
     hand one of them the other's binary."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        import platform
-
-        info = platform.processor() + platform.machine()
-    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
-    return hashlib.sha1("\n".join(sorted(set(lines))).encode()).hexdigest()[:10]
+    model, flags = cpu_info()
+    return hashlib.sha1(f"{model}\n{' '.join(sorted(flags))}".encode()).hexdigest()[:10]
 
 
 def _module_name() -> str:
-    return f"tandem_cpu_kernels_v12_{_cpu_tag()}"
+    return f"tandem_cpu_kernels_v13_{_cpu_tag()}"
 
 
 def built() -> bool:

@@ -20,6 +20,8 @@ oneDNN, or with TANDEM_CPU_KERNELS=0, layers stay plain `nn.Linear` and the engi
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,27 +32,42 @@ from workers.model.cpu_kernels import cpu_kernels, switched_off
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Int8Weight:
+    """A linear weight in int8 per output channel, packed for `linear_int8`: w ~ q * scale."""
+
+    packed: torch.Tensor  # int8 [N/32, K/4, 32, 4]
+    scales: torch.Tensor  # fp32 [N]
+    comp: torch.Tensor  # int32 [N]: 128 * sum_k q[n, k] (the kernel's unsigned-input offset)
+    portable: bool  # the plain C++ path, not AVX512-VNNI
+
+
 class PackedLinear(nn.Linear):
     """`nn.Linear` that, once packed (`pack_linears`), multiplies by a oneDNN-packed copy of its
-    weight."""
+    weight, or by the copy one of Tandem's kernels takes (bf16, or int8 once quantized)."""
 
     packed: torch.Tensor | None = None
-    kernels = None  # set when `packed` is laid out for the bf16 kernel, not for oneDNN
+    kernels = None  # set when the weight is laid out for a kernel of Tandem's, not for oneDNN
+    int8: Int8Weight | None = None  # set when quantized (`quantize_linears`)
 
     def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
-        """float_out: the result in fp32 (logits); the bf16 kernel then hands back its fp32
+        """float_out: the result in fp32 (logits); Tandem's kernels then hand back their fp32
         sums, with no bf16 rounding and no cast. The other paths round to bf16 first, so a
         near-tie between two tokens may fall differently on a CPU without AVX512-BF16."""
-        if self.kernels is not None and x.dim() == 2 and x.stride(-1) == 1:
-            return self.kernels.linear_bf16(x, self.packed, float_out)  # a step's rows
-        if self.packed is None:
-            out = F.linear(x, self.weight, self.bias)
-        elif self.kernels is not None:
-            rows = x.reshape(-1, x.shape[-1])
+        if self.kernels is not None:
+            rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
-            out = self.kernels.linear_bf16(rows, self.packed, float_out)
-            return out.view(*x.shape[:-1], out.shape[-1])
+            q = self.int8
+            if q is not None:
+                out = self.kernels.linear_int8(
+                    rows, q.packed, q.scales, q.comp, float_out, q.portable
+                )
+            else:
+                out = self.kernels.linear_bf16(rows, self.packed, float_out)
+            return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+        if self.packed is None:
+            out = F.linear(x, self.weight, self.bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self.packed, self.bias, "none", [], ""
@@ -65,6 +82,10 @@ class PackedLinear(nn.Linear):
             and not w.shape[0] % 32
             and not w.shape[1] % 2
         )
+
+    def fits_int8_kernel(self) -> bool:
+        w = self.weight
+        return self.bias is None and not w.shape[0] % 32 and not w.shape[1] % 4
 
 
 def packing_available(device: torch.device) -> str | None:
@@ -119,3 +140,67 @@ def pack_linears(model: nn.Module, device: torch.device) -> int:
             failure,
         )
     return packed
+
+
+INT8_KERNEL_ENV = "TANDEM_INT8_KERNEL"  # "portable": the plain C++ path even where VNNI is built
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: (q [N, K] int8, scale [N] fp32), w ~ q * scale, the
+    row's largest magnitude at +-127. An all-zero row gets scale 1 (and q 0)."""
+    w = weight.detach().float()
+    absmax = w.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def int8_kernel(kernels) -> str:
+    """Which int8 path `linear_int8` takes here: "avx512-vnni" or "portable"."""
+    forced = os.environ.get(INT8_KERNEL_ENV, "") == "portable"
+    return "avx512-vnni" if kernels.linear_int8_vnni_supported() and not forced else "portable"
+
+
+def int8_unavailable(device: torch.device) -> str | None:
+    """None when linears can be served in int8 on this device, else why not."""
+    if device.type != "cpu":
+        return (
+            f"quantization='int8' runs on the CPU only (device {device}); "
+            "int8 and fp8 weights on CUDA are not built"
+        )
+    if cpu_kernels() is None:
+        why = "TANDEM_CPU_KERNELS=0" if switched_off() else "they did not build (see the log)"
+        return f"quantization='int8' needs Tandem's CPU kernels: {why}"
+    return None
+
+
+def quantize_linears(model: nn.Module, device: torch.device) -> int:
+    """Every PackedLinear of `model` that the int8 kernel takes, quantized per output channel
+    and packed in place, one layer at a time (host memory holds one layer's fp32 copy on top
+    of the model); returns how many. The rest stay for `pack_linears`. Raises ValueError where
+    int8 cannot run (`int8_unavailable`)."""
+    why_not = int8_unavailable(device)
+    if why_not is not None:
+        raise ValueError(why_not)
+    kernels = cpu_kernels()
+    portable = int8_kernel(kernels) == "portable"
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.packed is None]
+    done = 0
+    with torch.no_grad():
+        for m in layers:
+            if not m.fits_int8_kernel():
+                continue
+            q, scale = quantize_int8(m.weight)
+            comp = q.sum(dim=1, dtype=torch.int32).mul_(128)
+            m.int8 = Int8Weight(kernels.pack_linear_int8(q), scale, comp, portable)
+            m.packed, m.kernels = m.int8.packed, kernels
+            m.weight = None  # the dense copy goes, unless shared (a tied lm_head's embedding)
+            done += 1
+    log.info(
+        "%d of %d linear layers quantized to int8 (%s kernel)%s",
+        done,
+        len(layers),
+        int8_kernel(kernels),
+        "; the others keep the model's dtype" if done < len(layers) else "",
+    )
+    return done

@@ -15,7 +15,7 @@ import torch
 
 from workers.model.config import CheckpointError, ModelConfig
 from workers.model.cpu_kernels import cpu_kernels
-from workers.model.linear import pack_linears
+from workers.model.linear import pack_linears, quantize_linears
 from workers.model.llama import LlamaForCausalLM
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -96,10 +96,14 @@ def read_model_config(src: ModelSource) -> ModelConfig:
 
 
 def build_model(
-    src: ModelSource, dtype: torch.dtype, device: torch.device, max_positions: int | None = None
+    src: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int | None = None,
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
     cfg, tensors = open_checkpoint(src)
-    return assemble_model(cfg, tensors, dtype, device, str(src.path), max_positions)
+    return assemble_model(cfg, tensors, dtype, device, str(src.path), max_positions, quantization)
 
 
 def assemble_model(
@@ -109,15 +113,19 @@ def assemble_model(
     device: torch.device,
     source: str,
     max_positions: int | None = None,
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
     """A model of `cfg` on `device` in `dtype`, filled from HF-named tensors as they come
-    (`source` names them in errors); on the CPU, its linears packed for the CPU kernels."""
+    (`source` names them in errors); on the CPU, its linears packed for the CPU kernels, or
+    with quantization 'int8' quantized per output channel (linear.py)."""
     positions = max(max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings)
     with torch.device("meta"):  # shapes alone: no memory, no random init
         model = LlamaForCausalLM(cfg, max_positions=positions)
     model.materialize(device, dtype)
     model.load_hf_weights(tensors, source)
     model.eval()
+    if quantization == "int8":
+        quantize_linears(model, device)
     if device.type == "cpu":
         pack_linears(model, device)
         model.use_fused_ops(cpu_kernels())

@@ -1,0 +1,177 @@
+"""int8 linear layers (quantization: int8): the kernel's products against an exact reference,
+its AVX512-VNNI and portable paths bit for bit, rows independent of their batch, and the
+model-level quantization that packs what fits and leaves the rest."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.engine.config import EngineConfig
+from workers.model.cpu_kernels import cpu_kernels
+from workers.model.linear import (
+    INT8_KERNEL_ENV,
+    PackedLinear,
+    int8_kernel,
+    int8_unavailable,
+    quantize_int8,
+    quantize_linears,
+)
+
+CPU = torch.device("cpu")
+KERNELS = cpu_kernels()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="Tandem's CPU kernels did not build")
+PATHS = [True, False] if KERNELS is not None and KERNELS.linear_int8_vnni_supported() else [True]
+
+
+def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic, written out in torch: each row quantized to int8 at its own
+    absmax / 127 (round half to even), integer products summed exactly, then one fp32 scale
+    per (row, output), formed as row scale times weight scale."""
+    xf = x.float()
+    absmax = xf.abs().amax(dim=1)
+    step = torch.full_like(absmax, 127.0) / absmax  # a true division, as the kernel's
+    xq = torch.round(xf * step[:, None]).clamp(-127, 127)
+    sums = xq.double() @ q.double().t()  # exact: every partial sum is an integer below 2^53
+    out = sums.float() * ((absmax / 127)[:, None] * scale[None, :])
+    return torch.where(absmax[:, None] > 0, out, torch.zeros_like(out))
+
+
+def packed(weight: torch.Tensor):
+    q, scale = quantize_int8(weight)
+    comp = q.sum(dim=1, dtype=torch.int32).mul_(128)
+    return q, scale, KERNELS.pack_linear_int8(q), comp
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(32, 4), (96, 20), (160, 576), (576, 1540)])
+def test_products_equal_the_exact_reference_on_every_path(n, k, dtype):
+    torch.manual_seed(n + k)
+    weight = torch.randn(n, k) * torch.rand(n, 1) * 3  # a spread of channel scales
+    q, scale, w, comp = packed(weight)
+    x = (torch.randn(257, k) * torch.rand(257, 1) * 4).to(dtype)
+    want = reference(x, q, scale)
+    results = []
+    for portable in PATHS:
+        got = KERNELS.linear_int8(x, w, scale, comp, True, portable)
+        assert got.dtype == torch.float32 and got.shape == (257, n)
+        assert torch.equal(got, want), (portable, (got - want).abs().max())
+        rounded = KERNELS.linear_int8(x, w, scale, comp, False, portable)
+        assert rounded.dtype == dtype and torch.equal(rounded, want.to(dtype))
+        results.append(got)
+    # and int8 is near the float product: about 1% of its norm at these sizes
+    exact = x.float() @ weight.t()
+    assert (want - exact).norm() / exact.norm() < 0.03
+
+
+@needs_kernels
+@pytest.mark.parametrize("portable", PATHS)
+def test_rows_do_not_depend_on_the_batch_or_threads(portable):
+    torch.manual_seed(1)
+    _, scale, w, comp = packed(torch.randn(960, 576))
+    x = torch.randn(300, 576).to(torch.bfloat16)
+    full = KERNELS.linear_int8(x, w, scale, comp, False, portable)
+    for rows in (1, 7, 8, 9, 257):  # tiles of 8 rows, blocks of 256
+        assert torch.equal(
+            KERNELS.linear_int8(x[:rows], w, scale, comp, False, portable), full[:rows]
+        )
+    assert torch.equal(KERNELS.linear_int8(x[5:6], w, scale, comp, False, portable), full[5:6])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(KERNELS.linear_int8(x, w, scale, comp, False, portable), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
+@pytest.mark.parametrize("portable", PATHS)
+def test_zero_and_non_finite_rows(portable):
+    _, scale, w, comp = packed(torch.randn(64, 8))
+    x = torch.randn(3, 8)
+    x[0] = 0
+    x[1, 3] = float("inf")
+    x[2, 5] = float("nan")
+    out = KERNELS.linear_int8(x, w, scale, comp, False, portable)
+    assert torch.equal(out[0], torch.zeros(64))  # a zero row has no scale to find, and is 0
+    assert out[1:].isnan().all()  # a non-finite input is not quantized into a finite output
+
+
+@needs_kernels
+def test_bad_arguments_are_refused_with_the_reason():
+    q, scale, w, comp = packed(torch.randn(64, 8))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        KERNELS.pack_linear_int8(torch.zeros(40, 8, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="8 inputs"):
+        KERNELS.linear_int8(torch.randn(2, 8), w[:, :1].contiguous(), scale, comp, False, True)
+    with pytest.raises(RuntimeError, match="bf16 or fp32"):
+        KERNELS.linear_int8(torch.randn(2, 8).half(), w, scale, comp, False, True)
+    with pytest.raises(RuntimeError, match="scales and comp"):
+        KERNELS.linear_int8(torch.randn(2, 8), w, scale[:32], comp, False, True)
+
+
+def test_weight_quantization_per_output_channel():
+    weight = torch.randn(5, 40) * torch.tensor([[1e-3], [1.0], [50.0], [0.0], [7.0]])
+    q, scale = quantize_int8(weight)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32
+    assert q.abs().max() <= 127
+    assert torch.equal(q[3], torch.zeros(40, dtype=torch.int8)) and scale[3] == 1  # zero row
+    for row in (0, 1, 2, 4):
+        assert q[row].abs().max() == 127  # each channel uses its whole range
+        err = (q[row].float() * scale[row] - weight[row]).abs().max()
+        assert err <= scale[row] / 2 * (1 + 1e-5)
+
+
+@needs_kernels
+def test_quantize_linears_packs_what_fits_and_leaves_the_rest(caplog):
+    torch.manual_seed(2)
+    fits = PackedLinear(96, 160, bias=False).to(torch.bfloat16)
+    odd = PackedLinear(96, 100, bias=False).to(torch.bfloat16)  # 100 outputs: no 32-blocks
+    embed = torch.nn.Embedding(64, 96).to(torch.bfloat16)
+    head = PackedLinear(96, 64, bias=False)
+    head.weight = embed.weight  # a tied lm_head
+    model = torch.nn.ModuleDict({"fits": fits, "odd": odd, "embed": embed, "head": head})
+    dense = fits.weight.detach().clone()
+    with caplog.at_level(logging.INFO, logger="workers.model.linear"):
+        assert quantize_linears(model, CPU) == 2
+    assert "2 of 3 linear layers quantized to int8" in caplog.text
+    assert fits.int8 is not None and fits.weight is None
+    assert odd.int8 is None and odd.weight is not None  # left for pack_linears
+    assert head.int8 is not None and embed.weight is not None  # the embedding stays
+    q, scale = quantize_int8(dense)
+    x = torch.randn(3, 2, 96).to(torch.bfloat16)  # leading dimensions, as F.linear takes
+    want = reference(x.view(6, 96), q, scale).to(torch.bfloat16).view(3, 2, 160)
+    assert torch.equal(fits(x), want)
+    assert fits(x, float_out=True).dtype == torch.float32
+    wide = torch.randn(4, 192).to(torch.bfloat16)
+    assert torch.equal(fits(wide[:, ::2]), fits(wide[:, ::2].contiguous()))
+    assert fits(x[:0].view(0, 96)).shape == (0, 160)
+    assert torch.allclose(fits(x).float(), F.linear(x, dense).float(), rtol=0.1, atol=0.1)
+
+
+@needs_kernels
+def test_the_portable_path_is_chosen_by_the_cpu_or_forced(monkeypatch):
+    want = "avx512-vnni" if KERNELS.linear_int8_vnni_supported() else "portable"
+    monkeypatch.delenv(INT8_KERNEL_ENV, raising=False)
+    assert int8_kernel(KERNELS) == want
+    monkeypatch.setenv(INT8_KERNEL_ENV, "portable")
+    assert int8_kernel(KERNELS) == "portable"
+    layer = PackedLinear(32, 64, bias=False)
+    quantize_linears(layer, CPU)
+    assert layer.int8.portable
+
+
+def test_int8_is_refused_where_it_cannot_run(monkeypatch):
+    with pytest.raises(ValueError, match="CPU only"):
+        EngineConfig(quantization="int8", device="cuda")
+    with pytest.raises(ValueError, match="choose from none, int8"):
+        EngineConfig(quantization="fp4")
+    assert "CPU only" in int8_unavailable(torch.device("meta"))
+    if KERNELS is None:
+        assert "CPU kernels" in int8_unavailable(CPU)
+    monkeypatch.setattr("workers.model.linear.cpu_kernels", lambda: None)
+    monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
+    with pytest.raises(ValueError, match="TANDEM_CPU_KERNELS=0"):
+        quantize_linears(PackedLinear(32, 64, bias=False), CPU)
