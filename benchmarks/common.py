@@ -77,6 +77,28 @@ def describe_machine(m: dict) -> str:
     return f"{m['cpu']} ({', '.join(m['flags']) or 'no AVX2'}), {m['cores']} cores"
 
 
+def quantized_runs(systems: list[str], quantization: str) -> list[tuple[str, str, str]]:
+    """(label, system, quantization) for each run: every Tandem system once per comma-separated
+    --quantization value (labelled `system-int8` and so on; `none` keeps the system's name),
+    every other system once, at full width. Raises ValueError naming an unknown value."""
+    from workers.engine.config import QUANTIZATIONS
+
+    values = [q for q in quantization.split(",") if q]
+    if not values or set(values) - set(QUANTIZATIONS):
+        raise ValueError(f"--quantization {quantization!r}: choose from {', '.join(QUANTIZATIONS)}")
+    return [
+        (s if q == "none" else f"{s}-{q}", s, q)
+        for s in systems
+        for q in (values if s.startswith("tandem") else ["none"])
+    ]
+
+
+def unquantized_label(label: str, runs: list[tuple[str, str, str]]) -> str | None:
+    """The label of the same system's full-width run, for a quantized run's ratio."""
+    system = next((s for lab, s, q in runs if lab == label and q != "none"), None)
+    return system if system is not None and any(lab == system for lab, _, _ in runs) else None
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 

@@ -2,6 +2,7 @@
 
     python benchmarks/offline_throughput.py [--workload F.jsonl] [--dtype bfloat16]
         [--max-batch 32] [--runs 3] [--systems tandem-continuous,tandem-static,...]
+        [--quantization none,int8]
 
 Systems: tandem-continuous, tandem-static (Tandem's engine with static groups), hf-generate
 (transformers `generate` on static groups, left-padded), hf-continuous (transformers'
@@ -13,7 +14,10 @@ Every system loads the same weights (the default model exported once as an HF fo
 the same prompt token ids, generates exactly max_tokens per request (EOS ignored) with greedy
 decoding and the same maximum batch size, in its own process. Each runs a warm-up, then
 --runs timed passes; the table reports the median output tokens/s and ratios to Tandem
-continuous. Writes JSON and a PNG bar chart to benchmarks/results/.
+continuous. With --quantization none,int8 each Tandem system runs once per value (labelled
+tandem-continuous-int8 and so on), and the table gives each quantized run's speed-up over the
+same system at full width. Writes JSON (with the CPU model and flags) and a PNG bar chart to
+benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -30,12 +34,16 @@ from benchmarks.common import (  # noqa: E402
     DEFAULT_VLLM_PYTHON,
     RESULTS,
     ROOT,
+    describe_machine,
     export_default_model,
     load_workload,
     log,
+    machine,
     median,
     print_table,
+    quantized_runs,
     run_worker,
+    unquantized_label,
     vllm_env,
 )
 
@@ -59,6 +67,7 @@ def run_tandem(job: dict, batching: str) -> list[dict]:
         EngineConfig(
             model=job["model_dir"],
             dtype=job["dtype"],
+            quantization=job.get("quantization", "none"),
             max_num_seqs=job["max_batch"],
             batching=batching,
             max_model_len=job["max_model_len"],
@@ -179,7 +188,7 @@ def worker_main(system: str) -> None:
 
 
 # -- the orchestrator --------------------------------------------------------------------------
-def run_system(system: str, job: dict, vllm_python: Path, timeout: float) -> dict:
+def run_system(label: str, system: str, job: dict, vllm_python: Path, timeout: float) -> dict:
     if system.startswith("vllm"):
         if not vllm_python.is_file():
             return {"skipped": f"no vLLM virtualenv at {vllm_python} (see the README)"}
@@ -189,11 +198,11 @@ def run_system(system: str, job: dict, vllm_python: Path, timeout: float) -> dic
     else:
         cmd = [sys.executable, __file__, "--worker", system]
         env = None
-    payload, error = run_worker(system, cmd, job, timeout, env)
+    payload, error = run_worker(label, cmd, job, timeout, env)
     if error is not None:
         return {"error": error}
     rates = [r["output_tokens"] / r["seconds"] for r in payload["runs"]]
-    log(f"[{system}] median {median(rates):.1f} tok/s")
+    log(f"[{label}] median {median(rates):.1f} tok/s")
     return {"runs": payload["runs"], "tokens_per_s": rates, "median_tokens_per_s": median(rates)}
 
 
@@ -227,6 +236,11 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--limit", type=int, default=None, help="first N requests only")
     p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument(
+        "--quantization",
+        default="none",
+        help="Tandem's weights, comma-separated (none, int8): each Tandem system once per value",
+    )
     p.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     p.add_argument(
         "--vllm-threads",
@@ -244,6 +258,10 @@ def main() -> None:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         p.error(f"unknown systems: {', '.join(sorted(unknown))}")
+    try:
+        runs = quantized_runs(systems, args.quantization)
+    except ValueError as e:
+        p.error(str(e))
     model_dir = export_default_model(RESULTS / "smollm2-135m-instruct-hf")
     requests = load_workload(Path(args.workload), model_dir, args.limit)
     job = {
@@ -254,30 +272,40 @@ def main() -> None:
         "runs": args.runs,
         "requests": requests,
         "vllm_threads": args.vllm_threads or None,
+        "machine": machine(),
     }
     total = sum(r["max_tokens"] for r in requests)
     log(
         f"workload: {len(requests)} requests, {total} output tokens, dtype {args.dtype}, "
-        f"max batch {args.max_batch}, {args.runs} runs each"
+        f"max batch {args.max_batch}, {args.runs} runs each; {describe_machine(job['machine'])}"
     )
-    results = {s: run_system(s, job, args.vllm_python, args.timeout) for s in systems}
+    results = {
+        label: run_system(label, s, {**job, "quantization": q}, args.vllm_python, args.timeout)
+        for label, s, q in runs
+    }
     base = results.get("tandem-continuous", {}).get("median_tokens_per_s")
     rows = []
     for name, r in results.items():
         if "median_tokens_per_s" not in r:
-            rows.append([name, "-", "-", "-", r.get("skipped") or r.get("error", "")[:60]])
+            rows.append([name, "-", "-", "-", "-", r.get("skipped") or r.get("error", "")[:60]])
             continue
         rate = r["median_tokens_per_s"]
+        full = results.get(unquantized_label(name, runs), {}).get("median_tokens_per_s")
         rows.append(
             [
                 name,
                 f"{rate:.1f}",
                 " ".join(f"{x:.0f}" for x in r["tokens_per_s"]),
                 f"{base / rate:.2f}x" if base else "-",
+                f"{rate / full:.2f}x" if full else "-",
                 "",
             ]
         )
-    print_table(["system", "tok/s (median)", "runs", "tandem-continuous is", "note"], rows)
+    print(describe_machine(job["machine"]))
+    print_table(
+        ["system", "tok/s (median)", "runs", "tandem-continuous is", "of full width", "note"],
+        rows,
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "workload": args.workload,
@@ -286,6 +314,8 @@ def main() -> None:
         "dtype": args.dtype,
         "max_batch": args.max_batch,
         "runs": args.runs,
+        "quantization": args.quantization,
+        "machine": job["machine"],
     }
     args.out.write_text(json.dumps({"config": meta, "results": results}, indent=2))
     plot(

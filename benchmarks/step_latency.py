@@ -400,6 +400,8 @@ def main() -> None:
         log,
         machine,
         print_table,
+        quantized_runs,
+        unquantized_label,
     )
 
     systems = args.systems.split(",")
@@ -411,11 +413,10 @@ def main() -> None:
         p.error("--batches and --contexts need positive values (and --prefills, if any)")
     if args.steps <= 0 or args.runs <= 0:
         p.error("--steps and --runs must be positive")
-    from workers.engine.config import QUANTIZATIONS
-
-    quantizations = args.quantization.split(",")
-    if not quantizations or set(quantizations) - set(QUANTIZATIONS):
-        p.error(f"--quantization: choose from {', '.join(QUANTIZATIONS)}")
+    try:
+        runs = quantized_runs(systems, args.quantization)
+    except ValueError as e:
+        p.error(str(e))
     out = args.out or RESULTS / "step_latency.json"
     job = {
         "model_dir": str(export_default_model(RESULTS / "smollm2-135m-instruct-hf")),
@@ -431,15 +432,14 @@ def main() -> None:
     }
     log(
         f"batches {batches}, contexts {contexts}, prefills {prefills}, {args.steps} steps, "
-        f"{args.runs} runs, {args.dtype}, systems {systems}, quantization {quantizations}; "
+        f"{args.runs} runs, {args.dtype}, runs {[label for label, _, _ in runs]}; "
         f"{describe_machine(job['machine'])}"
     )
     vllm_python = args.vllm_python or DEFAULT_VLLM_PYTHON
-    results = {}
-    for s in systems:
-        for q in quantizations if s.startswith("tandem") else ["none"]:
-            label = s if q == "none" else f"{s}-{q}"
-            results[label] = run_system(s, {**job, "quantization": q}, vllm_python, args.timeout)
+    results = {
+        label: run_system(s, {**job, "quantization": q}, vllm_python, args.timeout)
+        for label, s, q in runs
+    }
     if args.scheduler_rows > 0:
         results["scheduler"] = scheduler_cost(args.scheduler_rows, args.steps, args.runs)
 
@@ -450,13 +450,6 @@ def main() -> None:
     ref_decode = {(r["batch"], r["context"]): r["median_ms"] for r in vllm.get("decode", [])}
     ref_prefill = {r["tokens"]: r["median_ms"] for r in vllm.get("prefill", [])}
 
-    def unquantized(name: str) -> dict:
-        """The same system's run at full-width weights, for a quantized run's ratio."""
-        base = name
-        for q in quantizations:
-            base = base.removesuffix(f"-{q}")
-        return results.get(base, {}) if base != name else {}
-
     decode_rows, prefill_rows = [], []
     for name, res in results.items():
         if name == "scheduler":
@@ -465,7 +458,7 @@ def main() -> None:
             why = res.get("skipped") or res.get("error", "")[:60]
             decode_rows.append([name, "-", "-", "-", "-", "-", why])
             continue
-        base = unquantized(name)
+        base = results.get(unquantized_label(name, runs), {})
         base_decode = {(r["batch"], r["context"]): r["median_ms"] for r in base.get("decode", [])}
         base_prefill = {r["tokens"]: r["median_ms"] for r in base.get("prefill", [])}
         for r in res["decode"]:

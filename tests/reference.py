@@ -37,33 +37,7 @@ def hf_logits(model, prompt_ids: list[int]) -> torch.Tensor:
 @torch.inference_mode()
 def engine_logits(engine, prompt_ids: list[int]) -> torch.Tensor:
     """Teacher-forced logits at every position, through the engine's paged-cache path."""
-    from workers.engine.model_runner import StepMetadata
-    from workers.engine.request import SamplingParams
-    from workers.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-    from workers.engine.step_io import StepInputs
-
-    pool = engine.pool
-    blocks = pool.allocate(-(-len(prompt_ids) // pool.block_size))
-    try:
-        sched = ScheduledRequest(
-            "logits", list(prompt_ids), 0, blocks, True, SamplingParams(temperature=0), 0, 0
-        )
-        runner = engine.runner
-        out = SchedulerOutput(prefills=[sched])
-        slots = runner._slots(blocks, 0, len(prompt_ids))
-        inputs = StepInputs(runner.device)
-        step = StepMetadata(out, slots, inputs)
-        meta = step.build(inputs.send())
-        hidden = runner.model(
-            torch.tensor(prompt_ids),
-            torch.arange(len(prompt_ids)),
-            runner.kv_caches,
-            runner.backend,
-            meta,
-        )
-        return runner.model.compute_logits(hidden)
-    finally:
-        pool.free(blocks)
+    return engine.prompt_logits(prompt_ids)
 
 
 def run_engine(engine, prompts: list[list[int]], sampling) -> list[list[int]]:

@@ -13,6 +13,7 @@ from workers.model.cpu_kernels import cpu_kernels
 from workers.model.linear import (
     INT8_KERNEL_ENV,
     PackedLinear,
+    int8_group,
     int8_kernel,
     int8_unavailable,
     quantize_int8,
@@ -26,39 +27,46 @@ PATHS = [True, False] if KERNELS is not None and KERNELS.linear_int8_vnni_suppor
 
 
 def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The kernel's arithmetic, written out in torch: each row quantized to int8 at its own
-    absmax / 127 (round half to even), integer products summed exactly, then one fp32 scale
-    per (row, output), formed as row scale times weight scale."""
-    xf = x.float()
-    absmax = xf.abs().amax(dim=1)
+    """The kernel's arithmetic, written out in torch: each row quantized to int8 in groups of
+    `int8_group` inputs, each at its own absmax / 127 (round half to even); each group's
+    integer products summed exactly, then folded into fp32 in order with one fused
+    multiply-add by the group's scale; the weight's scale multiplies last."""
+    m, k = x.shape
+    g = int8_group(k)
+    xf = x.float().view(m, k // g, g)
+    absmax = xf.abs().amax(dim=2)  # [m, groups]
     step = torch.full_like(absmax, 127.0) / absmax  # a true division, as the kernel's
-    xq = torch.round(xf * step[:, None]).clamp(-127, 127)
-    sums = xq.double() @ q.double().t()  # exact: every partial sum is an integer below 2^53
-    out = sums.float() * ((absmax / 127)[:, None] * scale[None, :])
-    return torch.where(absmax[:, None] > 0, out, torch.zeros_like(out))
+    xq = torch.round(xf * step[..., None]).clamp(-127, 127).nan_to_num(0.0)
+    xq = torch.where(absmax[..., None] > 0, xq, torch.zeros_like(xq))
+    qg = q.double().view(q.shape[0], k // g, g)
+    sums = torch.einsum("mgk,ngk->mgn", xq.double(), qg).float()  # exact integers
+    group_scale = absmax / 127
+    acc = torch.zeros(m, q.shape[0])
+    for i in range(k // g):  # fma: one rounding per group, as the kernel's
+        acc = (sums[:, i].double() * group_scale[:, i, None].double() + acc.double()).float()
+    return acc * scale[None, :]
 
 
 def packed(weight: torch.Tensor):
     q, scale = quantize_int8(weight)
-    comp = q.sum(dim=1, dtype=torch.int32).mul_(128)
-    return q, scale, KERNELS.pack_linear_int8(q), comp
+    return q, scale, KERNELS.pack_linear_int8(q), int8_group(q.shape[1])
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k", [(32, 4), (96, 20), (160, 576), (576, 1540)])
+@pytest.mark.parametrize("n,k", [(32, 32), (96, 96), (160, 576), (576, 1536)])
 def test_products_equal_the_exact_reference_on_every_path(n, k, dtype):
     torch.manual_seed(n + k)
     weight = torch.randn(n, k) * torch.rand(n, 1) * 3  # a spread of channel scales
-    q, scale, w, comp = packed(weight)
+    q, scale, w, group = packed(weight)
     x = (torch.randn(257, k) * torch.rand(257, 1) * 4).to(dtype)
     want = reference(x, q, scale)
     results = []
     for portable in PATHS:
-        got = KERNELS.linear_int8(x, w, scale, comp, True, portable)
+        got = KERNELS.linear_int8(x, w, scale, group, True, portable)
         assert got.dtype == torch.float32 and got.shape == (257, n)
         assert torch.equal(got, want), (portable, (got - want).abs().max())
-        rounded = KERNELS.linear_int8(x, w, scale, comp, False, portable)
+        rounded = KERNELS.linear_int8(x, w, scale, group, False, portable)
         assert rounded.dtype == dtype and torch.equal(rounded, want.to(dtype))
         results.append(got)
     # and int8 is near the float product: about 1% of its norm at these sizes
@@ -70,18 +78,18 @@ def test_products_equal_the_exact_reference_on_every_path(n, k, dtype):
 @pytest.mark.parametrize("portable", PATHS)
 def test_rows_do_not_depend_on_the_batch_or_threads(portable):
     torch.manual_seed(1)
-    _, scale, w, comp = packed(torch.randn(960, 576))
+    _, scale, w, group = packed(torch.randn(960, 576))
     x = torch.randn(300, 576).to(torch.bfloat16)
-    full = KERNELS.linear_int8(x, w, scale, comp, False, portable)
+    full = KERNELS.linear_int8(x, w, scale, group, False, portable)
     for rows in (1, 7, 8, 9, 257):  # tiles of 8 rows, blocks of 256
         assert torch.equal(
-            KERNELS.linear_int8(x[:rows], w, scale, comp, False, portable), full[:rows]
+            KERNELS.linear_int8(x[:rows], w, scale, group, False, portable), full[:rows]
         )
-    assert torch.equal(KERNELS.linear_int8(x[5:6], w, scale, comp, False, portable), full[5:6])
+    assert torch.equal(KERNELS.linear_int8(x[5:6], w, scale, group, False, portable), full[5:6])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(KERNELS.linear_int8(x, w, scale, comp, False, portable), full)
+        assert torch.equal(KERNELS.linear_int8(x, w, scale, group, False, portable), full)
     finally:
         torch.set_num_threads(threads)
 
@@ -89,27 +97,31 @@ def test_rows_do_not_depend_on_the_batch_or_threads(portable):
 @needs_kernels
 @pytest.mark.parametrize("portable", PATHS)
 def test_zero_and_non_finite_rows(portable):
-    _, scale, w, comp = packed(torch.randn(64, 8))
-    x = torch.randn(3, 8)
+    _, scale, w, group = packed(torch.randn(64, 64))
+    x = torch.randn(3, 64)
     x[0] = 0
     x[1, 3] = float("inf")
     x[2, 5] = float("nan")
-    out = KERNELS.linear_int8(x, w, scale, comp, False, portable)
+    out = KERNELS.linear_int8(x, w, scale, group, False, portable)
     assert torch.equal(out[0], torch.zeros(64))  # a zero row has no scale to find, and is 0
     assert out[1:].isnan().all()  # a non-finite input is not quantized into a finite output
 
 
 @needs_kernels
 def test_bad_arguments_are_refused_with_the_reason():
-    q, scale, w, comp = packed(torch.randn(64, 8))
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        KERNELS.pack_linear_int8(torch.zeros(40, 8, dtype=torch.int8))
-    with pytest.raises(RuntimeError, match="8 inputs"):
-        KERNELS.linear_int8(torch.randn(2, 8), w[:, :1].contiguous(), scale, comp, False, True)
+    q, scale, w, group = packed(torch.randn(64, 64))
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        KERNELS.pack_linear_int8(torch.zeros(40, 64, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        KERNELS.pack_linear_int8(torch.zeros(64, 40, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="64 inputs"):
+        KERNELS.linear_int8(torch.randn(2, 64), w[:, :8].contiguous(), scale, group, False, True)
     with pytest.raises(RuntimeError, match="bf16 or fp32"):
-        KERNELS.linear_int8(torch.randn(2, 8).half(), w, scale, comp, False, True)
-    with pytest.raises(RuntimeError, match="scales and comp"):
-        KERNELS.linear_int8(torch.randn(2, 8), w, scale[:32], comp, False, True)
+        KERNELS.linear_int8(torch.randn(2, 64).half(), w, scale, group, False, True)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        KERNELS.linear_int8(torch.randn(2, 64), w, scale[:32], group, False, True)
+    with pytest.raises(RuntimeError, match="must be 32 or 64"):
+        KERNELS.linear_int8(torch.randn(2, 64), w, scale, 48, False, True)
 
 
 def test_weight_quantization_per_output_channel():
@@ -127,7 +139,7 @@ def test_weight_quantization_per_output_channel():
 @needs_kernels
 def test_quantize_linears_packs_what_fits_and_leaves_the_rest(caplog):
     torch.manual_seed(2)
-    fits = PackedLinear(96, 160, bias=False).to(torch.bfloat16)
+    fits = PackedLinear(96, 160, bias=False).to(torch.bfloat16)  # groups of 32 inputs
     odd = PackedLinear(96, 100, bias=False).to(torch.bfloat16)  # 100 outputs: no 32-blocks
     embed = torch.nn.Embedding(64, 96).to(torch.bfloat16)
     head = PackedLinear(96, 64, bias=False)
@@ -158,9 +170,9 @@ def test_the_portable_path_is_chosen_by_the_cpu_or_forced(monkeypatch):
     assert int8_kernel(KERNELS) == want
     monkeypatch.setenv(INT8_KERNEL_ENV, "portable")
     assert int8_kernel(KERNELS) == "portable"
-    layer = PackedLinear(32, 64, bias=False)
+    layer = PackedLinear(64, 64, bias=False)
     quantize_linears(layer, CPU)
-    assert layer.int8.portable
+    assert layer.int8.portable and layer.int8.group == 64
 
 
 def test_int8_is_refused_where_it_cannot_run(monkeypatch):

@@ -400,6 +400,39 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced logits ([len, vocab], fp32) at every position of `token_ids`, in one
+        pass through the paged-cache path, outside the scheduler: for scoring (perplexity,
+        correctness checks). Its blocks are taken from the pool and freed at the end; raises
+        if they are not free."""
+        from workers.engine.model_runner import StepMetadata
+        from workers.engine.scheduler_output import ScheduledRequest
+        from workers.engine.step_io import StepInputs
+
+        pool = self.pool
+        blocks = pool.allocate(-(-len(token_ids) // pool.block_size))
+        try:
+            sched = ScheduledRequest(
+                "logits", list(token_ids), 0, blocks, True, SamplingParams(temperature=0), 0, 0
+            )
+            runner = self.runner
+            slots = runner._slots(blocks, 0, len(token_ids))
+            inputs = StepInputs(runner.device)
+            meta = StepMetadata(SchedulerOutput(prefills=[sched]), slots, inputs).build(
+                inputs.send()
+            )
+            hidden = runner.model(
+                torch.tensor(token_ids, device=runner.device),
+                torch.arange(len(token_ids), device=runner.device),
+                runner.kv_caches,
+                runner.backend,
+                meta,
+            )
+            return runner.model.compute_logits(hidden)
+        finally:
+            pool.free(blocks)
+
     def stats(self) -> EngineStats:
         sched = self.scheduler
         g = self.runner.grammar
