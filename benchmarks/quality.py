@@ -15,7 +15,7 @@ Greedy agreement: the first --prompts prompts of the offline workload, --max-tok
 full-width one): the share of sequences identical, and the mean share of each sequence's
 tokens before its first difference.
 
-Targets (issue: quantization): perplexity within 1% of bf16 for int8. Writes JSON to
+Target: perplexity within 1% of bf16 for int8. Writes JSON to
 benchmarks/results/quality.json, with the CPU model and flags.
 """
 

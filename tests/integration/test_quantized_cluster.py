@@ -48,6 +48,11 @@ def test_int8_streams_equal_the_int8_offline_engine(cluster, llm):
     s = cluster.wait_all_free()
     for w in s["prefill"] + s["decode"]:
         assert w["kv_blocks_free"] == w["kv_blocks_total"], w  # G3
+    # The workers did quantize: int8's greedy tokens are not bf16's everywhere.
+    from workers.offline import LLM
+
+    full = LLM(num_kv_blocks=512, dtype="bfloat16").generate(requests[: len(CHATS)])
+    assert any(c.token_ids != tokens for c, tokens in zip(full, want))
 
 
 def test_the_offline_engine_serves_int8_weights(llm):
