@@ -77,19 +77,26 @@ def describe_machine(m: dict) -> str:
     return f"{m['cpu']} ({', '.join(m['flags']) or 'no AVX2'}), {m['cores']} cores"
 
 
-def quantized_runs(systems: list[str], quantization: str) -> list[tuple[str, str, str]]:
-    """(label, system, quantization) for each run: every Tandem system once per comma-separated
-    --quantization value (labelled `system-int8` and so on; `none` keeps the system's name),
-    every other system once, at full width. Raises ValueError naming an unknown value."""
+def quantizations(text: str) -> list[str]:
+    """A comma-separated --quantization, each value once, in order. Raises ValueError naming an
+    unknown value."""
     from workers.engine.config import QUANTIZATIONS
 
-    values = [q for q in quantization.split(",") if q]
+    values = list(dict.fromkeys(q for q in text.split(",") if q))
     if not values or set(values) - set(QUANTIZATIONS):
-        raise ValueError(f"--quantization {quantization!r}: choose from {', '.join(QUANTIZATIONS)}")
+        raise ValueError(f"--quantization {text!r}: choose from {', '.join(QUANTIZATIONS)}")
+    return values
+
+
+def quantized_runs(systems: list[str], quantization: str) -> list[tuple[str, str, str]]:
+    """(label, system, quantization) for each run: every Tandem system that runs Tandem's CPU
+    kernels once per --quantization value (labelled `system-int8` and so on; `none` keeps the
+    system's name), every other system once, at full width."""
+    values = quantizations(quantization)
     return [
         (s if q == "none" else f"{s}-{q}", s, q)
         for s in systems
-        for q in (values if s.startswith("tandem") else ["none"])
+        for q in (values if s.startswith("tandem") and "unpacked" not in s else ["none"])
     ]
 
 

@@ -38,6 +38,7 @@ from benchmarks.common import (  # noqa: E402
     log,
     machine,
     print_table,
+    quantizations,
 )
 
 TEXT = ROOT / "benchmarks" / "texts" / "sherlock_holmes.txt"
@@ -108,12 +109,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=RESULTS / "quality.json")
     args = p.parse_args()
-    from workers.engine.config import QUANTIZATIONS, EngineConfig
+    from workers.engine.config import EngineConfig
     from workers.engine.engine import LLMEngine
 
-    configs = [q for q in args.quantization.split(",") if q]
-    if not configs or set(configs) - set(QUANTIZATIONS):
-        p.error(f"--quantization: choose from {', '.join(QUANTIZATIONS)}")
+    try:
+        configs = quantizations(args.quantization)
+    except ValueError as e:
+        p.error(str(e))
     if args.tokens < 2 or args.window < 2 or args.prompts < 1 or args.max_tokens < 1:
         p.error("--tokens and --window need at least 2, --prompts and --max-tokens 1")
     if not args.text.is_file():
@@ -126,6 +128,7 @@ def main() -> None:
         t0 = time.perf_counter()
         engine = LLMEngine(
             EngineConfig(
+                device="cpu",  # int8 is the CPU's: every configuration on the same device
                 dtype=args.dtype,
                 quantization=q,
                 num_kv_blocks=blocks,

@@ -292,7 +292,7 @@ def scheduler_cost(rows: int, steps: int, runs: int) -> dict:
     }
 
 
-def run_system(system: str, job: dict, vllm_python: Path, timeout: float) -> dict:
+def run_system(label: str, system: str, job: dict, vllm_python: Path, timeout: float) -> dict:
     from benchmarks.common import run_worker, vllm_env
 
     if system.startswith("vllm"):
@@ -304,7 +304,7 @@ def run_system(system: str, job: dict, vllm_python: Path, timeout: float) -> dic
         python = sys.executable
         env = dict(os.environ)
         env["TANDEM_CPU_KERNELS"] = "0" if system == "tandem-unpacked" else "1"
-    payload, error = run_worker(system, [python, __file__, "--worker", system], job, timeout, env)
+    payload, error = run_worker(label, [python, __file__, "--worker", system], job, timeout, env)
     return {"error": error} if error is not None else payload
 
 
@@ -437,7 +437,7 @@ def main() -> None:
     )
     vllm_python = args.vllm_python or DEFAULT_VLLM_PYTHON
     results = {
-        label: run_system(s, {**job, "quantization": q}, vllm_python, args.timeout)
+        label: run_system(label, s, {**job, "quantization": q}, vllm_python, args.timeout)
         for label, s, q in runs
     }
     if args.scheduler_rows > 0:

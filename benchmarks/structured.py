@@ -94,7 +94,7 @@ def main() -> None:
             log(f"{system}, {mode}")
             job = base | {"json_schema": schema}
             results[f"{system}/{mode}"] = step_latency.run_system(
-                system, job, vllm_python, args.timeout
+                f"{system}/{mode}", system, job, vllm_python, args.timeout
             )
     rows, summary = [], {}
     for system in systems:

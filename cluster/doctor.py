@@ -193,19 +193,22 @@ def _cpu_kernels() -> str:
 
 
 def _int8_kernel() -> str:
-    """Which path quantization: int8 takes on this CPU, from its flags (the kernels are built
-    for the CPU they run on, so its flags decide without a build)."""
+    """Which path quantization: int8 takes on this CPU: the built kernels' own answer where
+    they are built, else this CPU's flags (they are built for the CPU they run on)."""
     from workers.model import cpu_kernels
-    from workers.model.linear import INT8_KERNEL_ENV
+    from workers.model.linear import int8_kernel
 
     if cpu_kernels.switched_off():
         return "unavailable: needs Tandem's CPU kernels (TANDEM_CPU_KERNELS=0)"
-    _, flags = cpu_kernels.cpu_info()
-    if os.environ.get(INT8_KERNEL_ENV) == "portable":
-        return f"portable C++ kernel ({INT8_KERNEL_ENV}=portable)"
-    if {"avx512_vnni", "avx512bw"} <= flags:
+    kernels = cpu_kernels.cpu_kernels() if cpu_kernels.built() else None
+    if kernels is not None:
+        path = int8_kernel(kernels)
+    else:
+        vnni = {"avx512_vnni", "avx512bw"} <= cpu_kernels.cpu_info()[1]
+        path = int8_kernel(None, vnni)
+    if path == "avx512-vnni":
         return "AVX512-VNNI kernel"
-    return "portable C++ kernel (no AVX512-VNNI on this CPU): the same results, slower"
+    return "portable C++ kernel (no AVX512-VNNI here, or TANDEM_INT8_KERNEL=portable): same results"
 
 
 def _ray_auth(ray_version: str | None) -> str:

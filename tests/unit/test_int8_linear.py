@@ -36,8 +36,10 @@ def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
     xf = x.float().view(m, k // g, g)
     absmax = xf.abs().amax(dim=2)  # [m, groups]
     step = torch.full_like(absmax, 127.0) / absmax  # a true division, as the kernel's
-    xq = torch.round(xf * step[..., None]).clamp(-127, 127).nan_to_num(0.0)
-    xq = torch.where(absmax[..., None] > 0, xq, torch.zeros_like(xq))
+    zero = ~torch.isfinite(step)  # an all-zero group, or one too small for a finite step
+    absmax = torch.where(zero, torch.zeros_like(absmax), absmax)
+    xq = torch.round(xf * step[..., None]).clamp(-127, 127)
+    xq = torch.where(zero[..., None], torch.zeros_like(xq), xq)
     qg = q.double().view(q.shape[0], k // g, g)
     sums = torch.einsum("mgk,ngk->mgn", xq.double(), qg).float()  # exact integers
     group_scale = absmax / 127
@@ -81,7 +83,7 @@ def test_rows_do_not_depend_on_the_batch_or_threads(portable):
     _, scale, w, group = packed(torch.randn(960, 576))
     x = torch.randn(300, 576).to(torch.bfloat16)
     full = KERNELS.linear_int8(x, w, scale, group, False, portable)
-    for rows in (1, 7, 8, 9, 257):  # tiles of 8 rows, blocks of 256
+    for rows in (1, 5, 6, 7, 8, 9, 13, 257):  # tiles of 6 (VNNI) or 8 rows, blocks of 256
         assert torch.equal(
             KERNELS.linear_int8(x[:rows], w, scale, group, False, portable), full[:rows]
         )
@@ -96,15 +98,19 @@ def test_rows_do_not_depend_on_the_batch_or_threads(portable):
 
 @needs_kernels
 @pytest.mark.parametrize("portable", PATHS)
-def test_zero_and_non_finite_rows(portable):
-    _, scale, w, group = packed(torch.randn(64, 64))
-    x = torch.randn(3, 64)
+def test_zero_tiny_and_non_finite_groups(portable):
+    q, scale, w, group = packed(torch.randn(64, 192))  # three groups of 64 a row
+    x = torch.randn(5, 192)
     x[0] = 0
-    x[1, 3] = float("inf")
-    x[2, 5] = float("nan")
-    out = KERNELS.linear_int8(x, w, scale, group, False, portable)
+    x[1, 70] = float("inf")  # in the second group
+    x[2, 130] = float("nan")  # in the third
+    x[3, 64:128] = 0  # a zero group in a row that is not
+    x[4, :64] = 1e-38  # a group too small for a finite step: taken as zero
+    out = KERNELS.linear_int8(x, w, scale, group, True, portable)
     assert torch.equal(out[0], torch.zeros(64))  # a zero row has no scale to find, and is 0
-    assert out[1:].isnan().all()  # a non-finite input is not quantized into a finite output
+    assert out[1:3].isnan().all()  # a non-finite input is not quantized into a finite output
+    assert torch.equal(out[3:], reference(x[3:], q, scale))
+    assert torch.equal(out[4], reference(x[4:5, 64:].contiguous(), q[:, 64:], scale)[0])
 
 
 @needs_kernels
@@ -122,6 +128,8 @@ def test_bad_arguments_are_refused_with_the_reason():
         KERNELS.linear_int8(torch.randn(2, 64), w, scale[:32], group, False, True)
     with pytest.raises(RuntimeError, match="must be 32 or 64"):
         KERNELS.linear_int8(torch.randn(2, 64), w, scale, 48, False, True)
+    with pytest.raises(RuntimeError, match="does not match"):
+        KERNELS.linear_int8(torch.randn(2, 64), w.view(1, 16, 64, 4), scale, group, False, True)
 
 
 def test_weight_quantization_per_output_channel():
@@ -165,9 +173,6 @@ def test_quantize_linears_packs_what_fits_and_leaves_the_rest(caplog):
 
 @needs_kernels
 def test_the_portable_path_is_chosen_by_the_cpu_or_forced(monkeypatch):
-    want = "avx512-vnni" if KERNELS.linear_int8_vnni_supported() else "portable"
-    monkeypatch.delenv(INT8_KERNEL_ENV, raising=False)
-    assert int8_kernel(KERNELS) == want
     monkeypatch.setenv(INT8_KERNEL_ENV, "portable")
     assert int8_kernel(KERNELS) == "portable"
     layer = PackedLinear(64, 64, bias=False)
@@ -178,6 +183,8 @@ def test_the_portable_path_is_chosen_by_the_cpu_or_forced(monkeypatch):
 def test_int8_is_refused_where_it_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="CPU only"):
         EngineConfig(quantization="int8", device="cuda")
+    with pytest.raises(ValueError, match="CPU only"):  # auto, where a GPU is at hand
+        EngineConfig(quantization="int8").resolve(cuda=True, bf16=True)
     with pytest.raises(ValueError, match="choose from none, int8"):
         EngineConfig(quantization="fp4")
     assert "CPU only" in int8_unavailable(torch.device("meta"))

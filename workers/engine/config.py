@@ -99,7 +99,8 @@ class EngineConfig:
         default="none",
         metadata=described(
             "int8: linear weights in int8 per output channel, quantized at load, against "
-            "activations quantized per row (CPU only; the KV cache keeps dtype)",
+            "activations quantized as they arrive, a scale per 64 inputs (CPU only; the KV "
+            "cache keeps dtype)",
             choices=QUANTIZATIONS,
         ),
     )

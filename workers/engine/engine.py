@@ -410,6 +410,12 @@ class LLMEngine:
         from workers.engine.scheduler_output import ScheduledRequest
         from workers.engine.step_io import StepInputs
 
+        if not token_ids or len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"{len(token_ids)} tokens: score 1 to max_model_len ({self.max_model_len})"
+            )
+        if self._in_flight is not None:
+            raise RuntimeError("a step is in flight: land it (step()) before scoring")
         pool = self.pool
         blocks = pool.allocate(-(-len(token_ids) // pool.block_size))
         try:

@@ -15,8 +15,8 @@ and cached (TORCH_EXTENSIONS_DIR, about 30 s once per machine):
 - `pack_linear_bf16`, `linear_bf16`: bf16 linear layers on CPUs with AVX512-BF16
   (csrc/linear_bf16_cpu.cpp; `linear_bf16_supported` says whether this build has them).
 - `pack_linear_int8`, `linear_int8`: int8 weights (quantization: int8) against activations
-  quantized per row, on AVX512-VNNI where built, else on a portable path with the same,
-  exact integer arithmetic (csrc/linear_int8_cpu.cpp).
+  quantized in groups of 32 or 64 inputs, on AVX512-VNNI where built, else on a portable path
+  with the same operations and results (csrc/linear_int8_cpu.cpp).
 - `prefill_attention_bf16`: a bf16 prefill chunk's causal attention read off the paged cache,
   flash-style on the same instructions (csrc/prefill_attention_cpu.cpp); torch's CPU flash
   kernel computes in fp32 and reaches about half its speed.

@@ -12,6 +12,9 @@ instead: about twice oneDNN's speed at a decode step's few rows (one thread, the
 lm_head: 1.8 against 3.5 ms at one row, 2.6 against 4.5 at eight), on par at a prefill's
 hundreds, and each row's result independent of the rest of the batch.
 
+With `quantization: int8`, weights go to Tandem's int8 kernel instead (`quantize_linears`,
+csrc/linear_int8_cpu.cpp): half bf16's bytes per decode step.
+
 Packing replaces the dense weight: the layer keeps only the packed copy (a tied lm_head's
 packed copy comes on top of the embedding it shares). It is CPU-only and optional: without
 oneDNN, or with TANDEM_CPU_KERNELS=0, layers stay plain `nn.Linear` and the engine says so.
@@ -158,14 +161,17 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int8_group(inputs: int) -> int:
     """Inputs of an activation row that share one int8 scale: 64 where they divide the row,
     else 32. One scale for a whole row cost SmolLM2 3.7% perplexity (outlier channels in the
-    MLP's activations); 64 inputs a scale cost 0.5%, no more than 32 did."""
+    MLP's activations); 64 inputs a scale cost 0.5%, no more than 32 did (6,000 tokens)."""
     return 64 if inputs % 64 == 0 else 32
 
 
-def int8_kernel(kernels) -> str:
-    """Which int8 path `linear_int8` takes here: "avx512-vnni" or "portable"."""
+def int8_kernel(kernels, vnni: bool | None = None) -> str:
+    """Which int8 path `linear_int8` takes here: "avx512-vnni" or "portable". `vnni`: whether
+    the build has the VNNI path, where `kernels` (the built module) is not at hand."""
+    if vnni is None:
+        vnni = kernels.linear_int8_vnni_supported()
     forced = os.environ.get(INT8_KERNEL_ENV, "") == "portable"
-    return "avx512-vnni" if kernels.linear_int8_vnni_supported() and not forced else "portable"
+    return "avx512-vnni" if vnni and not forced else "portable"
 
 
 def int8_unavailable(device: torch.device) -> str | None:

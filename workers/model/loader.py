@@ -126,6 +126,8 @@ def assemble_model(
     model.eval()
     if quantization == "int8":
         quantize_linears(model, device)
+    elif quantization != "none":
+        raise ValueError(f"quantization={quantization!r}: choose none or int8")
     if device.type == "cpu":
         pack_linears(model, device)
         model.use_fused_ops(cpu_kernels())

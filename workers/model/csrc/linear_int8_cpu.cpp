@@ -8,9 +8,9 @@
 // first operand unsigned, so the weight is stored as q + 128, and each group's sum has 128
 // times the group's input sum taken off before it is scaled.
 //
-// Why groups: one scale for a whole row of activations lost 3.7% perplexity on SmolLM2 (the
-// MLP's activations have outlier channels); a scale per 64 inputs loses 0.5%, and int8
-// weights alone 0.3% (benchmarks/quality.py, docs/benchmarks.md).
+// Why groups: one scale for a whole row of activations cost SmolLM2 3.7% perplexity (the
+// MLP's activations have outlier channels); a scale per 64 inputs costs 0.5%, and int8
+// weights alone 0.3% (6,000 tokens; docs/benchmarks.md).
 //
 // Each group's int32 sum is exact; groups are combined in fp32 with one fused multiply-add
 // each, in order, and the weight's scale multiplies last. The portable path (every other CPU,
@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -64,9 +65,15 @@ inline float widen(uint16_t bf16) { return bf16_to_float(bf16); }
 // and in the reference (tests/unit/test_int8_linear.py).
 __attribute__((noinline)) float reciprocal_step(float absmax) { return 127.f / absmax; }
 
+constexpr float kMaxFloat = std::numeric_limits<float>::max();
+// A group whose largest magnitude is below this has no finite step (127 / absmax overflows):
+// it is quantized as a zero group, on every path.
+constexpr float kTinyGroup = 127.f / kMaxFloat;
+
 // One activation row, quantized group by group. For group g: q = rint(x * (127 / absmax)),
-// scale[g] = absmax / 127 (0 for an all-zero group, NaN for one with a non-finite value, whose
-// row then comes out NaN), corr[g] = 128 * sum(q), the offset of the unsigned weights.
+// scale[g] = absmax / 127 (0 for an all-zero group, or one too small for a finite step; NaN
+// for one with a non-finite value, whose row then comes out NaN), corr[g] = 128 * sum(q), the
+// offset of the unsigned weights.
 struct Rows {
   std::vector<int8_t> q;
   std::vector<float> scale;
@@ -82,10 +89,10 @@ void quantize_group(const InT* x, int64_t G, int8_t* q, float* scale, int32_t* c
   bool finite = true;
   for (int64_t k = 0; k < G; ++k) {
     const float a = std::fabs(widen(x[k]));
-    finite = finite && a <= 3.4e38f;  // false for inf and NaN
+    finite = finite && a <= kMaxFloat;  // false for inf and NaN
     absmax = std::max(absmax, a);
   }
-  if (!finite || absmax == 0.f) {
+  if (!finite || absmax < kTinyGroup) {
     std::memset(q, 0, G);
     *scale = finite ? 0.f : NAN;
     *corr = 0;
@@ -117,11 +124,11 @@ void quantize_group_x16(const InT* x, int64_t G, int8_t* q, float* scale, int32_
   for (int i = 0; i < n; ++i) {
     v[i] = load_x16(x + 16 * i);
     const __m512 a = _mm512_abs_ps(v[i]);
-    finite &= _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.4e38f), _CMP_LE_OQ);
+    finite &= _mm512_cmp_ps_mask(a, _mm512_set1_ps(kMaxFloat), _CMP_LE_OQ);
     mx = _mm512_max_ps(mx, a);
   }
   const float absmax = _mm512_reduce_max_ps(mx);
-  if (finite != 0xFFFF || absmax == 0.f) {
+  if (finite != 0xFFFF || absmax < kTinyGroup) {
     std::memset(q, 0, G);
     *scale = finite != 0xFFFF ? NAN : 0.f;
     *corr = 0;
@@ -334,8 +341,11 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K], rows contiguous");
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(bf16 || x.scalar_type() == torch::kFloat, "x must be bf16 or fp32");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && scales.device().is_cpu(),
+              "linear_int8 takes CPU tensors");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kByte &&
-                  packed.size(1) * 4 == x.size(1) && packed.is_contiguous(),
+                  packed.size(1) * 4 == x.size(1) && packed.size(2) == int8_linear::kBlockN &&
+                  packed.size(3) == 4 && packed.is_contiguous(),
               "packed weight does not match x's ", x.size(1), " inputs");
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0);
   const int64_t N = NB * int8_linear::kBlockN;
