@@ -61,3 +61,36 @@ def test_the_offline_engine_serves_int8_weights(llm):
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedLinear)]
     assert linears and all(m.int8 is not None and m.weight is None for m in linears[:-1])
     assert linears[-1].int8 is not None  # the tied lm_head too; the embedding stays bf16
+
+
+@pytest.mark.fault
+@pytest.mark.timeout(900)
+def test_int8_streams_stay_whole_through_a_decode_kill(cluster, llm):
+    """The lone decode worker killed mid-stream: its replacement quantizes the checkpoint the
+    same way, so the replayed streams equal the int8 offline engine's, token for token."""
+    from tests.fault.faults import (
+        assert_clean,
+        assert_whole,
+        kill,
+        live_workers,
+        run_with_fault,
+        wait_for,
+    )
+    from tests.fault.faults import workload as fault_workload
+
+    requests = fault_workload(8, max_tokens=48)
+    want = [c.token_ids for c in llm.generate(requests)]
+    restarts = cluster.status()["pools"]["decode"]["restarts"]
+
+    async def strike():
+        [only] = await live_workers(cluster.client, "decode")
+        kill(only["pid"])
+
+    results, _ = cluster.run(run_with_fault(cluster.client, requests, strike), timeout=600)
+    assert_whole(results, want)
+    wait_for(
+        lambda: cluster.status()["pools"]["decode"]["restarts"] == restarts + 1,
+        180,
+        "the decode pool restarted once",
+    )
+    assert_clean(cluster.status, lambda: cluster.run(cluster.store.active()))

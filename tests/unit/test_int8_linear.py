@@ -194,3 +194,21 @@ def test_int8_is_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
     with pytest.raises(ValueError, match="TANDEM_CPU_KERNELS=0"):
         quantize_linears(PackedLinear(32, 64, bias=False), CPU)
+
+
+def test_benchmarks_run_each_tandem_system_once_per_quantization():
+    from benchmarks.common import quantizations, quantized_runs, unquantized_label
+
+    runs = quantized_runs(["tandem", "tandem-unpacked", "vllm"], "none,int8,int8")
+    assert runs == [
+        ("tandem", "tandem", "none"),
+        ("tandem-int8", "tandem", "int8"),
+        ("tandem-unpacked", "tandem-unpacked", "none"),  # no CPU kernels: no int8
+        ("vllm", "vllm", "none"),
+    ]
+    assert unquantized_label("tandem-int8", runs) == "tandem"
+    assert unquantized_label("tandem", runs) is None
+    only_int8 = quantized_runs(["tandem"], "int8")
+    assert unquantized_label("tandem-int8", only_int8) is None  # nothing to compare with
+    with pytest.raises(ValueError, match="choose from none, int8"):
+        quantizations("int4")

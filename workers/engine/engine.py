@@ -406,10 +406,6 @@ class LLMEngine:
         pass through the paged-cache path, outside the scheduler: for scoring (perplexity,
         correctness checks). Its blocks are taken from the pool and freed at the end; raises
         if they are not free."""
-        from workers.engine.model_runner import StepMetadata
-        from workers.engine.scheduler_output import ScheduledRequest
-        from workers.engine.step_io import StepInputs
-
         if not token_ids or len(token_ids) > self.max_model_len:
             raise ValueError(
                 f"{len(token_ids)} tokens: score 1 to max_model_len ({self.max_model_len})"
@@ -419,23 +415,7 @@ class LLMEngine:
         pool = self.pool
         blocks = pool.allocate(-(-len(token_ids) // pool.block_size))
         try:
-            sched = ScheduledRequest(
-                "logits", list(token_ids), 0, blocks, True, SamplingParams(temperature=0), 0, 0
-            )
-            runner = self.runner
-            slots = runner._slots(blocks, 0, len(token_ids))
-            inputs = StepInputs(runner.device)
-            meta = StepMetadata(SchedulerOutput(prefills=[sched]), slots, inputs).build(
-                inputs.send()
-            )
-            hidden = runner.model(
-                torch.tensor(token_ids, device=runner.device),
-                torch.arange(len(token_ids), device=runner.device),
-                runner.kv_caches,
-                runner.backend,
-                meta,
-            )
-            return runner.model.compute_logits(hidden)
+            return self.runner.prompt_logits(token_ids, blocks)
         finally:
             pool.free(blocks)
 

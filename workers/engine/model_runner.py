@@ -21,7 +21,7 @@ import torch
 from kv_transfer.layout import KVLayout
 from workers.engine.cuda_graphs import DecodeGraphs, GraphCapture
 from workers.engine.grammar import GrammarMasks
-from workers.engine.request import PENDING, choice_id, choice_seed
+from workers.engine.request import PENDING, SamplingParams, choice_id, choice_seed
 from workers.engine.sampler import SamplerOutput, sample
 from workers.engine.sampling_inputs import SamplingColumns
 from workers.engine.scheduler_output import SampledToken, ScheduledRequest, SchedulerOutput
@@ -253,6 +253,26 @@ class ModelRunner:
             ops.gather_blocks(out, idx, cache)
         else:
             torch.index_select(cache, 0, idx, out=out)
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int], blocks: list[int]) -> torch.Tensor:
+        """Teacher-forced logits ([len, vocab], fp32) of `token_ids` prefilled whole into
+        `blocks` (enough of them, held by the caller), outside any scheduled step."""
+        sched = ScheduledRequest(
+            "logits", list(token_ids), 0, blocks, True, SamplingParams(temperature=0), 0, 0
+        )
+        inputs = StepInputs(self.device)
+        meta = StepMetadata(
+            SchedulerOutput(prefills=[sched]), self._slots(blocks, 0, len(token_ids)), inputs
+        ).build(inputs.send())
+        hidden = self.model(
+            torch.tensor(token_ids, device=self.device),
+            torch.arange(len(token_ids), device=self.device),
+            self.kv_caches,
+            self.backend,
+            meta,
+        )
+        return self.model.compute_logits(hidden)
 
     def _slots(self, blocks: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
