@@ -133,11 +133,12 @@ def test_bad_arguments_are_refused_with_the_reason():
 
 
 def test_weight_quantization_per_output_channel():
-    weight = torch.randn(5, 40) * torch.tensor([[1e-3], [1.0], [50.0], [0.0], [7.0]])
+    weight = torch.randn(6, 40) * torch.tensor([[1e-3], [1.0], [50.0], [0.0], [7.0], [1e-44]])
     q, scale = quantize_int8(weight)
     assert q.dtype == torch.int8 and scale.dtype == torch.float32
     assert q.abs().max() <= 127
-    assert torch.equal(q[3], torch.zeros(40, dtype=torch.int8)) and scale[3] == 1  # zero row
+    for row in (3, 5):  # a zero row, and one too small for a scale
+        assert torch.equal(q[row], torch.zeros(40, dtype=torch.int8)) and scale[row] == 1
     for row in (0, 1, 2, 4):
         assert q[row].abs().max() == 127  # each channel uses its whole range
         err = (q[row].float() * scale[row] - weight[row]).abs().max()

@@ -150,10 +150,11 @@ INT8_KERNEL_ENV = "TANDEM_INT8_KERNEL"  # "portable": the plain C++ path even wh
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output channel: (q [N, K] int8, scale [N] fp32), w ~ q * scale, the
-    row's largest magnitude at +-127. An all-zero row gets scale 1 (and q 0)."""
+    row's largest magnitude at +-127. An all-zero row (or one too small for a scale) gets
+    scale 1, and q 0."""
     w = weight.detach().float()
-    absmax = w.abs().amax(dim=1)
-    scale = torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
+    step = w.abs().amax(dim=1) / 127
+    scale = torch.where(step > 0, step, torch.ones_like(step))
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
 
