@@ -40,24 +40,14 @@ constexpr int64_t kBlockN = 32;  // outputs per packed block
 constexpr int64_t kTileM = 256;  // rows kept in cache while every weight block passes
 constexpr int kTileRows = 6;     // rows a VNNI tile holds: 24 accumulators and 3 operands
 
-// fp32 to bf16 bits, rounded to nearest even as torch rounds (NaN kept a NaN).
-inline uint16_t to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if (std::isnan(f)) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+// bf16 as raw bits both ways, through torch's own conversion (rounded to nearest even, a NaN
+// to 0x7FC0), so results match a torch cast.
+inline uint16_t to_bf16(float f) { return c10::BFloat16(f).x; }
 
 inline float widen(float v) { return v; }
-inline float widen(uint16_t bf16) { return bf16_to_float(bf16); }
+inline float widen(uint16_t bf16) {
+  return static_cast<float>(c10::BFloat16(bf16, c10::BFloat16::from_bits()));
+}
 
 // The kernels are built with -fassociative-math, under which the compiler may regroup
 // x * (127 / absmax) as x * 127 / absmax, which rounds differently. The factor comes from a
@@ -197,15 +187,14 @@ void block_portable(int mb, const Rows& r, int64_t m0, int64_t G, const uint8_t*
 }
 
 #if defined(TANDEM_INT8_VNNI)
-// 16 fp32 lanes to bf16 bits, rounded to nearest even (AVX512F/BW only: CPUs with VNNI but
-// not AVX512-BF16 exist).
+// 16 fp32 lanes to bf16 bits as to_bf16 gives them (AVX512F/BW only: CPUs with VNNI but not
+// AVX512-BF16 exist).
 inline __m256i to_bf16_x16(__m512 v) {
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  bits = _mm512_mask_mov_epi32(bits, nan, _mm512_or_si512(_mm512_castps_si512(v),
-                                                          _mm512_set1_epi32(0x400000)));
+  bits = _mm512_mask_mov_epi32(bits, nan, _mm512_set1_epi32(0x7FC00000));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
 }
 
