@@ -153,6 +153,63 @@ def export_default_model(out_dir: Path) -> Path:
     return out_dir
 
 
+def default_gguf() -> Path:
+    """The default model's own file: a GGUF whose matrices are Q4_1 (the embedding Q8_0)."""
+    from workers.model.loader import resolve_model
+
+    return resolve_model(None).path
+
+
+def tandem_model(job: dict, quantization: str) -> str:
+    """What a Tandem run loads: the default GGUF itself for quantization gguf (its blocks
+    served as stored), else the HF export every system loads (`job["model_dir"]`)."""
+    return str(default_gguf()) if quantization == "gguf" else job["model_dir"]
+
+
+def export_gguf(qtype: str, out: Path) -> Path:
+    """The default model as a GGUF whose matrices are `qtype` (Q8_0, Q4_0, Q4_1): its metadata
+    and tokenizer copied as they are, each quantized matrix dequantized and quantized again
+    (the same weights as the default file's, give or take the new type's rounding), vectors
+    as stored. Written once; llama.cpp and Tandem both load it."""
+    if out.is_file():
+        return out
+    import gguf
+    import numpy as np
+
+    src = default_gguf()
+    reader = gguf.GGUFReader(str(src))
+    target = gguf.GGMLQuantizationType[qtype]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial")
+    writer = gguf.GGUFWriter(str(partial), str(reader.fields["general.architecture"].contents()))
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        value = field.contents()
+        if field.name == "general.file_type":
+            value = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3}.get(qtype, value)
+        writer.add_key_value(field.name, value, kind, sub_type=sub)
+    for t in reader.tensors:
+        shape = tuple(reversed(t.shape.tolist()))
+        if t.tensor_type == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(t.name, np.asarray(t.data).reshape(shape))
+            continue
+        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        if t.tensor_type != target:
+            writer.add_tensor(t.name, gguf.quants.quantize(values, target), raw_dtype=target)
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=target)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    partial.rename(out)
+    log(f"wrote the default model in {qtype} to {out}")
+    return out
+
+
 def load_workload(path: Path, model_dir: Path, limit: int | None = None) -> list[dict]:
     """Requests as {prompt_ids, max_tokens}: prompts go through the chat template once, here,
     so every system sees the same token ids."""

@@ -92,7 +92,7 @@ def examine(cfg: ClusterConfig, ray_gpus: float | None = None) -> Report:
     triton = version("triton")
     r.offers.append(("Triton", triton or "not installed"))
     r.offers.append(("CPU kernels", _cpu_kernels()))
-    r.offers.append(("int8 weights (CPU)", _int8_kernel()))
+    r.offers.append(("int8 and GGUF-as-stored weights (CPU)", _int8_kernel()))
     r.offers.append(("redis-server", shutil.which("redis-server") or "not on PATH"))
     r.offers.append(("Ray", _ray_auth(version("ray"))))
     _needs(r, cfg, torch_version, cuda, ray_gpus if ray_gpus is not None else gpus, nccl, flash)
@@ -193,7 +193,7 @@ def _cpu_kernels() -> str:
 
 
 def _int8_kernel() -> str:
-    """Which path quantization: int8 takes on this CPU: the built kernels' own answer where
+    """Which path quantization: int8 (and gguf) takes on this CPU: the built kernels' own answer where
     they are built, else this CPU's flags (they are built for the CPU they run on)."""
     from workers.model import cpu_kernels
     from workers.model.linear import int8_kernel

@@ -1,6 +1,7 @@
-"""int8 weights through the cluster (quantization: int8, bf16 activations): each worker
-quantizes the same checkpoint the same way, so a stream through prefill and decode workers is
-the quantized model's offline output (G4), greedy and seeded."""
+"""Quantized weights through the cluster, bf16 activations: int8 (each worker quantizes the
+same checkpoint the same way) and gguf (each serves the default model's Q4_1 and Q8_0 blocks
+as stored), so a stream through prefill and decode workers is the quantized model's offline
+output (G4), greedy and seeded."""
 
 import pytest
 
@@ -13,24 +14,27 @@ pytestmark = [
     pytest.mark.skipif(cpu_kernels() is None, reason="int8 runs on Tandem's CPU kernels"),
 ]
 
-ENGINE = {"dtype": "bfloat16", "quantization": "int8"}
+
+@pytest.fixture(scope="module", params=["int8", "gguf"])
+def engine(request):
+    return {"dtype": "bfloat16", "quantization": request.param}
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    h = one_by_one(str(tmp_path_factory.mktemp("data")), engine=ENGINE)
+def cluster(tmp_path_factory, engine):
+    h = one_by_one(str(tmp_path_factory.mktemp("data")), engine=engine)
     yield h
     h.stop()
 
 
 @pytest.fixture(scope="module")
-def llm():
+def llm(engine):
     from workers.offline import LLM
 
-    return LLM(num_kv_blocks=512, **ENGINE)
+    return LLM(num_kv_blocks=512, **engine)
 
 
-def test_int8_streams_equal_the_int8_offline_engine(cluster, llm):
+def test_quantized_streams_equal_the_quantized_offline_engine(cluster, llm):
     from workers.completion import GenerationRequest
 
     requests = [greedy(c, 20 + 3 * i) for i, c in enumerate(CHATS)]
@@ -48,26 +52,28 @@ def test_int8_streams_equal_the_int8_offline_engine(cluster, llm):
     s = cluster.wait_all_free()
     for w in s["prefill"] + s["decode"]:
         assert w["kv_blocks_free"] == w["kv_blocks_total"], w  # G3
-    # The workers did quantize: int8's greedy tokens are not bf16's everywhere.
+    # The workers did quantize: the quantized model's greedy tokens are not bf16's everywhere.
     from workers.offline import LLM
 
     full = LLM(num_kv_blocks=512, dtype="bfloat16").generate(requests[: len(CHATS)])
     assert any(c.token_ids != tokens for c, tokens in zip(full, want))
 
 
-def test_the_offline_engine_serves_int8_weights(llm):
-    from workers.model.linear import PackedLinear
+def test_the_offline_engine_serves_quantized_weights(llm, engine):
+    from workers.model.linear import BlockWeight, Int8Weight, PackedLinear
 
+    kind = Int8Weight if engine["quantization"] == "int8" else BlockWeight
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedLinear)]
-    assert linears and all(m.int8 is not None and m.weight is None for m in linears[:-1])
-    assert linears[-1].int8 is not None  # the tied lm_head too; the embedding stays bf16
+    assert linears and all(isinstance(m.quantized, kind) for m in linears)
+    assert all(m.weight is None for m in linears[:-1])  # the tied lm_head keeps the embedding
 
 
 @pytest.mark.fault
 @pytest.mark.timeout(900)
-def test_int8_streams_stay_whole_through_a_decode_kill(cluster, llm):
-    """The lone decode worker killed mid-stream: its replacement quantizes the checkpoint the
-    same way, so the replayed streams equal the int8 offline engine's, token for token."""
+def test_quantized_streams_stay_whole_through_a_decode_kill(cluster, llm):
+    """The lone decode worker killed mid-stream: its replacement loads the same quantized
+    weights the same way, so the replayed streams equal the offline engine's, token for
+    token."""
     from tests.fault.faults import (
         assert_clean,
         assert_whole,

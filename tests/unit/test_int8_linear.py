@@ -1,6 +1,7 @@
-"""int8 linear layers (quantization: int8): the kernel's products against an exact reference,
-its AVX512-VNNI and portable paths bit for bit, rows independent of their batch, and the
-model-level quantization that packs what fits and leaves the rest."""
+"""int8 linear layers (quantization: int8, and GGUF's Q8_0/Q4_0/Q4_1 blocks as stored): the
+kernel's products against an exact reference, its AVX512-VNNI and portable paths bit for bit,
+rows independent of their batch, and the model-level quantization that packs what fits and
+leaves the rest."""
 
 import logging
 
@@ -26,13 +27,11 @@ needs_kernels = pytest.mark.skipif(KERNELS is None, reason="Tandem's CPU kernels
 PATHS = [True, False] if KERNELS is not None and KERNELS.linear_int8_vnni_supported() else [True]
 
 
-def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The kernel's arithmetic, written out in torch: each row quantized to int8 in groups of
-    `int8_group` inputs, each at its own absmax / 127 (round half to even); each group's
-    integer products summed exactly, then folded into fp32 in order with one fused
-    multiply-add by the group's scale; the weight's scale multiplies last."""
+def quantized_rows(x: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activations, written out in torch: each row quantized to int8 in groups of
+    `g` inputs, each at its own absmax / 127 (round half to even). Returns (values [m,
+    groups, g], each group's scale [m, groups])."""
     m, k = x.shape
-    g = int8_group(k)
     xf = x.float().view(m, k // g, g)
     absmax = xf.abs().amax(dim=2)  # [m, groups]
     step = torch.full_like(absmax, 127.0) / absmax  # a true division, as the kernel's
@@ -40,13 +39,53 @@ def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
     absmax = torch.where(zero, torch.zeros_like(absmax), absmax)
     xq = torch.round(xf * step[..., None]).clamp(-127, 127)
     xq = torch.where(zero[..., None], torch.zeros_like(xq), xq)
+    return xq, absmax / 127
+
+
+def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 a * b + c with one rounding (through fp64: every product of these fp32 values is
+    exact there)."""
+    return (a.double() * b.double() + c.double()).float()
+
+
+def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 per output channel: each group's integer products summed exactly, then folded
+    into fp32 in order with one fused multiply-add by the group's scale; the weight's scale
+    multiplies last."""
+    k = x.shape[1]
+    g = int8_group(k)
+    xq, group_scale = quantized_rows(x, g)
     qg = q.double().view(q.shape[0], k // g, g)
     sums = torch.einsum("mgk,ngk->mgn", xq.double(), qg).float()  # exact integers
-    group_scale = absmax / 127
-    acc = torch.zeros(m, q.shape[0])
-    for i in range(k // g):  # fma: one rounding per group, as the kernel's
-        acc = (sums[:, i].double() * group_scale[:, i, None].double() + acc.double()).float()
+    acc = torch.zeros(x.shape[0], q.shape[0])
+    for i in range(k // g):
+        acc = fma(sums[:, i], group_scale[:, i, None], acc)
     return acc * scale[None, :]
+
+
+def block_reference(x, q, d, m=None) -> torch.Tensor:
+    """A GGUF block weight (w = d q, or d q + m, per output and 32 inputs): activations in
+    groups of 32; per group, t = sum * d (Q8_0) or fma(sum, d, m * sum(x_q)), then
+    acc = fma(t, s_x, acc)."""
+    k = x.shape[1]
+    xq, group_scale = quantized_rows(x, 32)
+    qg = q.double().view(q.shape[0], k // 32, 32)
+    sums = torch.einsum("mgk,ngk->mgn", xq.double(), qg).float()
+    xsum = xq.sum(dim=2)  # [m, groups], exact
+    acc = torch.zeros(x.shape[0], q.shape[0])
+    for i in range(k // 32):
+        dg = d[:, i].float()[None, :]
+        if m is None:
+            t = sums[:, i] * dg
+        else:
+            t = fma(sums[:, i], dg, m[:, i].float()[None, :] * xsum[:, i, None])
+        acc = fma(t, group_scale[:, i, None], acc)
+    return acc
+
+
+def block_scales(s: torch.Tensor) -> torch.Tensor:
+    """[N, K/32] into the kernel's [N/32, K/32, 32]."""
+    return s.view(s.shape[0] // 32, 32, -1).transpose(1, 2).contiguous()
 
 
 def packed(weight: torch.Tensor):
@@ -130,6 +169,79 @@ def test_bad_arguments_are_refused_with_the_reason():
         KERNELS.linear_int8(torch.randn(2, 64), w.view(1, 16, 64, 4), scale, group, False, True)
 
 
+def gguf_block_weight(n: int, k: int, four_bit: bool):
+    """A random block weight as GGUF stores one: (q, d, m, packed); m None for Q8_0."""
+    d = (torch.rand(n, k // 32) * 0.02 + 1e-4).half()
+    if four_bit:
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        m = (torch.randn(n, k // 32) * 0.1).half()
+        return q, d, m, KERNELS.pack_linear_int4(q)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    return q, d, None, KERNELS.pack_linear_int8(q)
+
+
+def run_blocks(x, d, m, packed, float_out=True, portable=True):
+    scales_m = block_scales(m) if m is not None else torch.empty(0, dtype=torch.half)
+    return KERNELS.linear_blocks(
+        x, packed, block_scales(d), scales_m, m is not None, float_out, portable
+    )
+
+
+@needs_kernels
+@pytest.mark.parametrize("four_bit", [False, True], ids=["q8_0", "q4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(32, 32), (96, 160), (576, 1536)])
+def test_gguf_blocks_equal_the_exact_reference_on_every_path(n, k, dtype, four_bit):
+    torch.manual_seed(n + k)
+    q, d, m, w = gguf_block_weight(n, k, four_bit)
+    x = (torch.randn(67, k) * torch.rand(67, 1) * 4).to(dtype)
+    x[3, 32:64] = 0  # a zero group
+    want = block_reference(x, q, d, m)
+    for portable in PATHS:
+        got = run_blocks(x, d, m, w, True, portable)
+        assert got.shape == (67, n) and torch.equal(got, want), (portable, (got - want).abs().max())
+        rounded = run_blocks(x, d, m, w, False, portable)
+        assert rounded.dtype == dtype and torch.equal(rounded, want.to(dtype))
+    dense = d.float().repeat_interleave(32, 1) * q.float()
+    if m is not None:
+        dense += m.float().repeat_interleave(32, 1)
+    exact = x.float() @ dense.t()
+    assert (want - exact).norm() / exact.norm() < 0.03  # activations' rounding alone
+
+
+@needs_kernels
+@pytest.mark.parametrize("four_bit", [False, True], ids=["q8_0", "q4"])
+@pytest.mark.parametrize("portable", PATHS)
+def test_gguf_block_rows_do_not_depend_on_the_batch(portable, four_bit):
+    torch.manual_seed(2)
+    _, d, m, w = gguf_block_weight(192, 576, four_bit)
+    x = torch.randn(40, 576).to(torch.bfloat16)
+    full = run_blocks(x, d, m, w, False, portable)
+    for rows in (1, 5, 6, 7, 13):
+        assert torch.equal(run_blocks(x[:rows], d, m, w, False, portable), full[:rows])
+    assert torch.equal(run_blocks(x[9:10], d, m, w, False, portable), full[9:10])
+
+
+@needs_kernels
+def test_gguf_block_arguments_are_checked():
+    q, d, m, w = gguf_block_weight(64, 64, True)
+    with pytest.raises(RuntimeError, match="0..15"):
+        KERNELS.pack_linear_int4(torch.full((32, 32), 16, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        KERNELS.pack_linear_int4(torch.zeros(32, 48, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="m must be shaped as d"):
+        run_blocks(torch.randn(2, 64), d, m[:32], w)
+    with pytest.raises(RuntimeError, match="d must be"):
+        run_blocks(torch.randn(2, 64), d[:, :1].contiguous(), m, w)
+    q8, d8, _, w8 = gguf_block_weight(64, 64, False)
+    with pytest.raises(RuntimeError, match="Q8_0 takes no minimum"):
+        KERNELS.linear_blocks(
+            torch.randn(2, 64), w8, block_scales(d8), block_scales(d8), False, False, True
+        )
+    with pytest.raises(RuntimeError, match="does not match"):  # a 4-bit weight read as Q8_0
+        run_blocks(torch.randn(2, 64), d, None, w)
+
+
 def test_weight_quantization_per_output_channel():
     weight = torch.randn(6, 40) * torch.tensor([[1e-3], [1.0], [50.0], [0.0], [7.0], [1e-44]])
     q, scale = quantize_int8(weight)
@@ -156,9 +268,9 @@ def test_quantize_linears_packs_what_fits_and_leaves_the_rest(caplog):
     with caplog.at_level(logging.INFO, logger="workers.model.linear"):
         assert quantize_linears(model, CPU) == 2
     assert "2 of 3 linear layers quantized to int8" in caplog.text
-    assert fits.int8 is not None and fits.weight is None
-    assert odd.int8 is None and odd.weight is not None  # left for pack_linears
-    assert head.int8 is not None and embed.weight is not None  # the embedding stays
+    assert fits.quantized is not None and fits.weight is None
+    assert odd.quantized is None and odd.weight is not None  # left for pack_linears
+    assert head.quantized is not None and embed.weight is not None  # the embedding stays
     q, scale = quantize_int8(dense)
     x = torch.randn(3, 2, 96).to(torch.bfloat16)  # leading dimensions, as F.linear takes
     want = reference(x.view(6, 96), q, scale).to(torch.bfloat16).view(3, 2, 160)
@@ -176,7 +288,7 @@ def test_the_portable_path_is_chosen_by_the_cpu_or_forced(monkeypatch):
     assert int8_kernel(KERNELS) == "portable"
     layer = PackedLinear(64, 64, bias=False)
     quantize_linears(layer, CPU)
-    assert layer.int8.portable and layer.int8.group == 64
+    assert layer.quantized.portable and layer.quantized.group == 64
 
 
 def test_int8_is_refused_where_it_cannot_run(monkeypatch):

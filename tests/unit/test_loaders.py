@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.gguf_files import quant_round_trip, write_gguf
 from workers.engine.config import EngineConfig
 from workers.model.config import CheckpointError, ModelConfig
 from workers.model.loader import (
@@ -86,80 +87,6 @@ def test_flash_attn_without_the_package_says_so():
 
 # --- Loading streams the checkpoint into a model built on the meta device ---------------------
 
-# llama.cpp's names for the HF tensors of one layer (its convert_hf_to_gguf.py), written out
-# here rather than taken from the loader, so a wrong mapping there cannot pass.
-_GGUF_LAYER = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
-_GGUF_GLOBAL = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-
-
-def _gguf_name(hf: str) -> str:
-    if hf in _GGUF_GLOBAL:
-        return _GGUF_GLOBAL[hf]
-    _, _, layer, *rest = hf.split(".")
-    module, suffix = ".".join(rest[:-1]), rest[-1]
-    return f"blk.{layer}.{_GGUF_LAYER[module]}.{suffix}"
-
-
-def _write_gguf(path, cfg: ModelConfig, tensors: dict[str, torch.Tensor], qtype_name: str) -> None:
-    """A llama GGUF as llama.cpp writes one: q/k rows permuted for its interleaved RoPE,
-    matrices in `qtype_name`, vectors in F32."""
-    import gguf
-    import numpy as np
-
-    qtype = gguf.GGMLQuantizationType[qtype_name]
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_block_count(cfg.num_layers)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_theta)
-    for name, t in tensors.items():
-        a = t.float().numpy()
-        for proj, n in ((".q_proj.", cfg.num_heads), (".k_proj.", cfg.num_kv_heads)):
-            if proj in name:
-                a = a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2)
-                a = np.ascontiguousarray(a).reshape(t.shape)
-        if a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(_gguf_name(name), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(_gguf_name(name), np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def _quant_round_trip(tensors: dict[str, torch.Tensor], qtype_name: str) -> dict:
-    """What a GGUF of `tensors` in `qtype_name` holds, dequantized: the loader's expected output."""
-    import gguf
-
-    qtype = gguf.GGMLQuantizationType[qtype_name]
-    out = {}
-    for name, t in tensors.items():
-        if t.dim() == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            a = gguf.quants.dequantize(gguf.quants.quantize(t.float().numpy(), qtype), qtype)
-            t = torch.from_numpy(a.reshape(t.shape))
-        out[name] = t.float().contiguous()
-    return out
-
 
 def _unpacked(monkeypatch):
     # Weights stay plain tensors (packing replaces them with oneDNN's layout, and drops a tied
@@ -177,12 +104,12 @@ def test_gguf_loads_the_same_weights_as_safetensors(tiny_llama_dir, tmp_path, mo
 
     _unpacked(monkeypatch)
     monkeypatch.setattr(gguf_loader, "_SLICE", 1000)  # 15 rows of 64: q/k span several slices
-    tensors = _quant_round_trip(load_file(str(tiny_llama_dir / "model.safetensors")), qtype)
+    tensors = quant_round_trip(load_file(str(tiny_llama_dir / "model.safetensors")), qtype)
     folder = tmp_path / "hf"
     folder.mkdir()
     shutil.copy(tiny_llama_dir / "config.json", folder)
     save_file(tensors, str(folder / "model.safetensors"))
-    _write_gguf(tmp_path / "m.gguf", read_model_config(ModelSource(folder)), tensors, qtype)
+    write_gguf(tmp_path / "m.gguf", read_model_config(ModelSource(folder)), tensors, qtype)
     cpu = torch.device("cpu")
     want = build_model(ModelSource(folder), torch.float32, cpu)
     got = build_model(ModelSource(tmp_path / "m.gguf"), torch.float32, cpu)
@@ -323,7 +250,7 @@ def _write_checkpoint(folder, fmt: str, cfg: dict) -> tuple[Path, int]:
     largest = max(t.nbytes for t in tensors.values())
     folder.mkdir()
     if fmt == "gguf":
-        _write_gguf(folder / "model.gguf", ModelConfig.from_hf(cfg), tensors, "Q8_0")
+        write_gguf(folder / "model.gguf", ModelConfig.from_hf(cfg), tensors, "Q8_0")
         return folder / "model.gguf", largest
     (folder / "config.json").write_text(json.dumps(cfg))
     names = list(tensors)

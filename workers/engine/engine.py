@@ -133,7 +133,7 @@ class LLMEngine:
             self.source.path.name if self.source else "a model passed in",
             device,
             config.dtype,
-            ", int8 weights" if config.quantization == "int8" else "",
+            f", {config.quantization} weights" if config.quantization != "none" else "",
             num_blocks,
             config.block_size,
             self.runner.backend.name,

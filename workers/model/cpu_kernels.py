@@ -59,6 +59,8 @@ _FUNCTIONS = [
     "linear_int8_vnni_supported",
     "pack_linear_int8",
     "linear_int8",
+    "pack_linear_int4",
+    "linear_blocks",
     "prefill_attention_bf16_supported",
     "prefill_attention_bf16",
 ]
@@ -119,7 +121,7 @@ def _cpu_tag() -> str:
 
 
 def _module_name() -> str:
-    return f"tandem_cpu_kernels_v13_{_cpu_tag()}"
+    return f"tandem_cpu_kernels_v14_{_cpu_tag()}"
 
 
 def built() -> bool:

@@ -7,12 +7,18 @@ A tensor's bytes are read from the file a slice of rows at a time (never through
 memory map, whose touched pages would stay resident until the reader goes) and dequantized
 into one float32 array: reading holds that array plus a slice's worth, whatever the quant type
 (`gguf`'s own whole-tensor dequantize holds about twice the output).
+
+With `stored=True` (quantization: gguf), a linear weight in Q8_0, Q4_0 or Q4_1 also comes
+with its blocks as stored (`StoredBlocks`: the integer values, and each 32 inputs' scale and
+minimum), for Tandem's int8 kernels to serve as they are; a linear weight in any other
+quantized type is refused, naming it.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -38,6 +44,11 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_LINEAR_KINDS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+# Served as stored by quantization: gguf (a tied lm_head is the token embedding): bytes per
+# block of 32 values.
+STORED_TYPES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+_FULL_WIDTH = {"F32", "F16", "BF16"}
 _SLICE = 1 << 20  # float32 elements dequantized at a time: bounds the transient (4 MiB here)
 
 
@@ -114,13 +125,51 @@ def _hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
 
 
-def open_gguf(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """The config, and a lazy stream of (HF name, float32 host tensor)."""
+@dataclass(frozen=True)
+class StoredBlocks:
+    """A GGUF linear weight [N, K] as stored, in HF row order: w[n, k] = d[n, k // 32] *
+    q[n, k] + m[n, k // 32] (Q4_0's m is -8 d; Q8_0 has none), q int8 for Q8_0, uint8 in 0..15
+    for the 4-bit types; d and m fp16 [N, K / 32]."""
+
+    type_name: str
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+
+    @property
+    def four_bit(self) -> bool:
+        return self.type_name != "Q8_0"
+
+
+def _is_linear(gguf_name: str, cfg: ModelConfig) -> bool:
+    """Whether a tensor is a linear layer's weight (the token embedding is one when tied)."""
+    if gguf_name == "output.weight" or (
+        gguf_name == "token_embd.weight" and cfg.tie_word_embeddings
+    ):
+        return True
+    return (m := _BLOCK.match(gguf_name)) is not None and m[2] in _LINEAR_KINDS and m[3] == "weight"
+
+
+def open_gguf(path: Path, stored: bool = False) -> tuple[ModelConfig, Iterator[tuple]]:
+    """The config, and a lazy stream of (HF name, float32 host tensor); with `stored`, a
+    linear weight in one of STORED_TYPES comes as (name, tensor, StoredBlocks). Raises
+    CheckpointError, before any tensor is read, for a linear weight in any other quantized
+    type when `stored`."""
     reader = _reader(path)
-    return (cfg := read_gguf_config(path, reader)), _stream(path, reader, cfg)
+    cfg = read_gguf_config(path, reader)
+    if stored:
+        for t in reader.tensors:
+            kind = t.tensor_type.name
+            if _is_linear(t.name, cfg) and kind not in STORED_TYPES and kind not in _FULL_WIDTH:
+                raise CheckpointError(
+                    f"{path}: tensor {t.name!r} is {kind}; quantization='gguf' serves "
+                    f"{', '.join(STORED_TYPES)} as stored (and F32, F16, BF16 at full width); "
+                    "quantization='none' dequantizes every type at load"
+                )
+    return cfg, _stream(path, reader, cfg, stored)
 
 
-def _stream(path: Path, reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream(path: Path, reader, cfg: ModelConfig, stored: bool):
     with open(path, "rb") as f:
         for t in reader.tensors:
             if (name := _hf_name(t.name)) is None:
@@ -130,8 +179,47 @@ def _stream(path: Path, reader, cfg: ModelConfig) -> Iterator[tuple[str, torch.T
                 n_head = cfg.num_heads
             elif cfg.architecture == "llama" and ".attn_k." in t.name:
                 n_head = cfg.num_kv_heads
+            if stored and _is_linear(t.name, cfg) and t.tensor_type.name in STORED_TYPES:
+                blocks = _read_blocks(f, path, t, n_head)
+                yield name, torch.from_numpy(_dequantize(f, path, t, n_head)), blocks
+                continue
             # Yielded with no local bound to it: the consumer's drop frees it.
             yield name, torch.from_numpy(_dequantize(f, path, t, n_head))
+
+
+def _read_blocks(f: BinaryIO, path: Path, t, n_head: int | None) -> StoredBlocks:
+    """Tensor `t`'s blocks as stored (ggml's layout: each block its fp16 scale, for Q4_1 its
+    fp16 minimum, then its values; 4-bit values two to a byte, value j in byte j % 16's low
+    nibble for j < 16, high nibble after), rows in HF order."""
+    kind = t.tensor_type.name
+    block_bytes = STORED_TYPES[kind]
+    rows = int(np.prod(t.data.shape[:-1]))
+    cols = t.n_elements // rows
+    raw = np.empty(t.n_bytes, dtype=np.uint8)
+    f.seek(t.data_offset)
+    if f.readinto(raw) != raw.nbytes:
+        raise CheckpointError(f"{path}: tensor {t.name!r} runs past the end of the file")
+    blocks = raw.reshape(rows, cols // 32, block_bytes)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    m = None
+    if kind == "Q8_0":
+        q = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
+    else:
+        nibbles = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]
+        q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, cols)
+        if kind == "Q4_1":
+            m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+        else:
+            m = (d * np.float16(-8)).astype(np.float16)  # exact: a power of two
+    if n_head is not None:  # rows back in HF order, as _dequantize puts them
+        order = _unpermute(np.arange(rows), n_head)
+        q, d = q[order], d[order]
+        m = None if m is None else m[order]
+    return StoredBlocks(kind, _owned(q), _owned(d), None if m is None else _owned(m))
+
+
+def _owned(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a))
 
 
 def _dequantize(f: BinaryIO, path: Path, t, n_head: int | None) -> np.ndarray:

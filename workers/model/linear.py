@@ -13,7 +13,9 @@ lm_head: 1.8 against 3.5 ms at one row, 2.6 against 4.5 at eight), on par at a p
 hundreds, and each row's result independent of the rest of the batch.
 
 With `quantization: int8`, weights go to Tandem's int8 kernel instead (`quantize_linears`,
-csrc/linear_int8_cpu.cpp): half bf16's bytes per decode step.
+csrc/linear_int8_cpu.cpp): half bf16's bytes per decode step. With `quantization: gguf`, a
+GGUF's Q8_0, Q4_0 and Q4_1 weights go to the same kernel's block formats as they are stored
+(`serve_stored`): about half and a quarter of bf16's bytes.
 
 Packing replaces the dense weight: the layer keeps only the packed copy (a tied lm_head's
 packed copy comes on top of the embedding it shares). It is CPU-only and optional: without
@@ -44,6 +46,63 @@ class Int8Weight:
     group: int  # activation inputs per scale (`int8_group`)
     portable: bool  # the plain C++ path, not AVX512-VNNI
 
+    def matmul(self, kernels, rows: torch.Tensor, float_out: bool) -> torch.Tensor:
+        return kernels.linear_int8(
+            rows, self.packed, self.scales, self.group, float_out, self.portable
+        )
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A GGUF weight served as stored, packed for `linear_blocks`: w = d * q (Q8_0) or
+    d * q + m (the 4-bit types), d and m per output and 32 inputs."""
+
+    packed: torch.Tensor  # uint8: [N/32, K/4, 32, 4] (Q8_0, q + 128) or [N/32, K/8, 32, 4]
+    d: torch.Tensor  # fp16 [N/32, K/32, 32]
+    m: torch.Tensor  # fp16 as d (4-bit), or empty (Q8_0)
+    four_bit: bool
+    types: tuple[str, ...]  # the GGUF types it came in (q, k and v may differ)
+    portable: bool
+
+    def matmul(self, kernels, rows: torch.Tensor, float_out: bool) -> torch.Tensor:
+        return kernels.linear_blocks(
+            rows, self.packed, self.d, self.m, self.four_bit, float_out, self.portable
+        )
+
+
+def _block_scales(s: torch.Tensor) -> torch.Tensor:
+    """[N, K/32] per-block values into the kernel's [N/32, K/32, 32]."""
+    n, groups = s.shape
+    return s.view(n // 32, 32, groups).transpose(1, 2).contiguous()
+
+
+def pack_stored(blocks, kernels, portable: bool) -> BlockWeight | None:
+    """One GGUF weight's blocks (gguf_loader.StoredBlocks) packed for the kernel, or None where
+    its outputs are not a multiple of 32."""
+    n = blocks.q.shape[0]
+    if n % 32:
+        return None
+    pack = kernels.pack_linear_int4 if blocks.four_bit else kernels.pack_linear_int8
+    m = _block_scales(blocks.m) if blocks.m is not None else torch.empty(0, dtype=torch.half)
+    return BlockWeight(
+        pack(blocks.q), _block_scales(blocks.d), m, blocks.four_bit, (blocks.type_name,), portable
+    )
+
+
+def _concat(parts: list[BlockWeight]) -> BlockWeight:
+    """Weights stacked along their outputs (q, k and v into one), blocks of 32 outputs apiece."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    return BlockWeight(
+        torch.cat([p.packed for p in parts]),
+        torch.cat([p.d for p in parts]),
+        torch.cat([p.m for p in parts]) if first.four_bit else first.m,
+        first.four_bit,
+        tuple(t for p in parts for t in p.types),
+        first.portable,
+    )
+
 
 class PackedLinear(nn.Linear):
     """`nn.Linear` that, once packed (`pack_linears`), multiplies by a oneDNN-packed copy of its
@@ -51,7 +110,7 @@ class PackedLinear(nn.Linear):
 
     packed: torch.Tensor | None = None
     kernels = None  # set when the weight is laid out for a kernel of Tandem's, not for oneDNN
-    int8: Int8Weight | None = None  # set when quantized (`quantize_linears`)
+    quantized: Int8Weight | BlockWeight | None = None  # `quantize_linears`, `serve_stored`
 
     def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
         """float_out: the result in fp32 (logits); Tandem's kernels then hand back their fp32
@@ -61,11 +120,8 @@ class PackedLinear(nn.Linear):
             rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
-            q = self.int8
-            if q is not None:
-                out = self.kernels.linear_int8(
-                    rows, q.packed, q.scales, q.group, float_out, q.portable
-                )
+            if self.quantized is not None:
+                out = self.quantized.matmul(self.kernels, rows, float_out)
             else:
                 out = self.kernels.linear_bf16(rows, self.packed, float_out)
             return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
@@ -175,16 +231,17 @@ def int8_kernel(kernels, vnni: bool | None = None) -> str:
     return "avx512-vnni" if vnni and not forced else "portable"
 
 
-def int8_unavailable(device: torch.device) -> str | None:
-    """None when linears can be served in int8 on this device, else why not."""
+def int8_unavailable(device: torch.device, quantization: str = "int8") -> str | None:
+    """None when linears can be served by the int8 kernels (`quantization` int8 or gguf) on
+    this device, else why not."""
     if device.type != "cpu":
         return (
-            f"quantization='int8' runs on the CPU only (device {device}); "
+            f"quantization={quantization!r} runs on the CPU only (device {device}); "
             "int8 and fp8 weights on CUDA are not built"
         )
     if cpu_kernels() is None:
         why = "TANDEM_CPU_KERNELS=0" if switched_off() else "they did not build (see the log)"
-        return f"quantization='int8' needs Tandem's CPU kernels: {why}"
+        return f"quantization={quantization!r} needs Tandem's CPU kernels: {why}"
     return None
 
 
@@ -206,8 +263,8 @@ def quantize_linears(model: nn.Module, device: torch.device) -> int:
                 continue
             q, scale = quantize_int8(m.weight)
             group = int8_group(q.shape[1])
-            m.int8 = Int8Weight(kernels.pack_linear_int8(q), scale, group, portable)
-            m.packed, m.kernels = m.int8.packed, kernels
+            m.quantized = Int8Weight(kernels.pack_linear_int8(q), scale, group, portable)
+            m.packed, m.kernels = m.quantized.packed, kernels
             m.weight = None  # the dense copy goes, unless shared (a tied lm_head's embedding)
             done += 1
     log.info(
@@ -216,5 +273,46 @@ def quantize_linears(model: nn.Module, device: torch.device) -> int:
         len(layers),
         int8_kernel(kernels),
         "; the others keep the model's dtype" if done < len(layers) else "",
+    )
+    return done
+
+
+def serve_stored(model: nn.Module, stored: dict, device: torch.device) -> int:
+    """Every linear layer of `model` whose checkpoint tensors all came as stored GGUF blocks
+    (`stored`: BlockWeight by HF name less `model.`, from `pack_stored`), of one width (8 or 4
+    bits), served by them as they are; returns how many. The rest keep the model's dtype,
+    for `pack_linears`, with a log line saying which and why."""
+    why_not = int8_unavailable(device, "gguf")
+    if why_not is not None:
+        raise ValueError(why_not)
+    kernels = cpu_kernels()
+    done, left = 0, []
+    for module, names in model.linear_sources():
+        parts = [stored.get(n) for n in names]
+        if any(p is None for p in parts) or len({p.four_bit for p in parts}) > 1:
+            left.append(names[0].rsplit(".", 2)[0] if len(names) > 1 else names[0])
+            continue
+        module.quantized = _concat(parts)
+        module.packed, module.kernels = module.quantized.packed, kernels
+        module.weight = None  # the dense copy goes, unless shared (a tied lm_head's embedding)
+        done += 1
+    kinds = sorted(
+        {
+            t
+            for m in model.modules()
+            if isinstance(getattr(m, "quantized", None), BlockWeight)
+            for t in m.quantized.types
+        }
+    )
+    log.info(
+        "%d of %d linear layers served as stored in the GGUF (%s; %s kernel)%s",
+        done,
+        done + len(left),
+        ", ".join(kinds) or "none",
+        int8_kernel(kernels),
+        f"; at the model's dtype (not in Q8_0/Q4_0/Q4_1, or outputs not a multiple of 32): "
+        f"{', '.join(left[:4])}{' ...' if len(left) > 4 else ''}"
+        if left
+        else "",
     )
     return done

@@ -212,6 +212,20 @@ class LlamaForCausalLM(nn.Module):
                 raise CheckpointError(f"parameter {name!r} is filled from no checkpoint tensor")
         return slots
 
+    def linear_sources(self) -> list[tuple[PackedLinear, list[str]]]:
+        """Each linear layer with the checkpoint tensors that fill its weight (HF names less
+        `model.`), in row order: q, k, v for the fused projection, gate and up for the MLP's;
+        a tied lm_head's is the embedding."""
+        by_param: dict[int, list[tuple[int, str]]] = {}
+        for name, slot in self._slots().items():
+            if name.endswith(".weight"):
+                by_param.setdefault(id(slot.param), []).append((slot.start, name))
+        return [
+            (m, [name for _, name in sorted(by_param[id(m.weight)])])
+            for m in self.modules()
+            if isinstance(m, PackedLinear) and m.weight is not None and id(m.weight) in by_param
+        ]
+
     def load_hf_weights(
         self,
         weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],

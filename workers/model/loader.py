@@ -15,7 +15,14 @@ import torch
 
 from workers.model.config import CheckpointError, ModelConfig
 from workers.model.cpu_kernels import cpu_kernels
-from workers.model.linear import pack_linears, quantize_linears
+from workers.model.linear import (
+    int8_kernel,
+    int8_unavailable,
+    pack_linears,
+    pack_stored,
+    quantize_linears,
+    serve_stored,
+)
 from workers.model.llama import LlamaForCausalLM
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -64,14 +71,22 @@ def resolve_model(ref: str | None) -> ModelSource:
     return ModelSource(path)
 
 
-def open_checkpoint(src: ModelSource) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+def open_checkpoint(
+    src: ModelSource, stored: bool = False
+) -> tuple[ModelConfig, Iterator[tuple]]:
     """The config, and a lazy stream of (HF name, host tensor): read one at a time as the
     stream is iterated, none kept by the reader once yielded. GGUF tensors come as float32,
-    safetensors in their stored dtype."""
+    safetensors in their stored dtype. `stored` (GGUF only): linear weights in a block type
+    Tandem serves as stored also bring their blocks, as (name, tensor, StoredBlocks)."""
     if src.is_gguf:
         from workers.model.gguf_loader import open_gguf
 
-        return open_gguf(src.path)
+        return open_gguf(src.path, stored)
+    if stored:
+        raise CheckpointError(
+            f"{src.path}: quantization='gguf' serves a GGUF file's weights as stored; this "
+            "is an HF folder (quantization='int8' quantizes any checkpoint at load)"
+        )
     from workers.model.hf_loader import open_hf_folder
 
     return open_hf_folder(src.path)
@@ -102,7 +117,7 @@ def build_model(
     max_positions: int | None = None,
     quantization: str = "none",
 ) -> LlamaForCausalLM:
-    cfg, tensors = open_checkpoint(src)
+    cfg, tensors = open_checkpoint(src, stored=quantization == "gguf")
     return assemble_model(cfg, tensors, dtype, device, str(src.path), max_positions, quantization)
 
 
@@ -116,18 +131,27 @@ def assemble_model(
     quantization: str = "none",
 ) -> LlamaForCausalLM:
     """A model of `cfg` on `device` in `dtype`, filled from HF-named tensors as they come
-    (`source` names them in errors); on the CPU, its linears packed for the CPU kernels, or
-    with quantization 'int8' quantized per output channel (linear.py)."""
+    (`source` names them in errors); on the CPU, its linears packed for the CPU kernels, with
+    quantization 'int8' quantized per output channel, or with 'gguf' served by the blocks
+    that come with them (a stream of `open_checkpoint(src, stored=True)`; linear.py)."""
+    if quantization not in ("none", "int8", "gguf"):
+        raise ValueError(f"quantization={quantization!r}: choose none, int8 or gguf")
     positions = max(max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings)
     with torch.device("meta"):  # shapes alone: no memory, no random init
         model = LlamaForCausalLM(cfg, max_positions=positions)
     model.materialize(device, dtype)
+    stored: dict[str, object] = {}
+    if quantization == "gguf":
+        why_not = int8_unavailable(device, quantization)
+        if why_not is not None:
+            raise ValueError(why_not)
+        tensors = _keeping_blocks(tensors, stored)
     model.load_hf_weights(tensors, source)
     model.eval()
     if quantization == "int8":
         quantize_linears(model, device)
-    elif quantization != "none":
-        raise ValueError(f"quantization={quantization!r}: choose none or int8")
+    elif quantization == "gguf":
+        serve_stored(model, stored, device)
     if device.type == "cpu":
         pack_linears(model, device)
         model.use_fused_ops(cpu_kernels())
@@ -138,3 +162,15 @@ def assemble_model(
             cuda_layer_ops(device, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         )
     return model
+
+
+def _keeping_blocks(tensors: Iterable[tuple], stored: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of a stored-blocks stream, each weight's blocks packed for the
+    int8 kernels into `stored` (by name less `model.`) as it passes: only the packed copy is
+    kept, a quarter to a half of the dense one."""
+    kernels = cpu_kernels()
+    portable = int8_kernel(kernels) == "portable"
+    for name, tensor, *blocks in tensors:
+        if blocks and (packed := pack_stored(blocks[0], kernels, portable)) is not None:
+            stored[name.removeprefix("model.")] = packed
+        yield name, tensor

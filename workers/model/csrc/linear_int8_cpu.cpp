@@ -17,6 +17,14 @@
 // or forced with `portable`) does the same operations in plain C++, so its results are
 // bit-identical to the VNNI path's. A row's result depends on that row alone, whatever the
 // batch or the thread count.
+//
+// GGUF's block formats are served as stored by the same loops (`linear_blocks`), with a weight
+// scale per 32 inputs instead of one per output: Q8_0 (w = d * q) in the layout above, and the
+// 4-bit Q4_0/Q4_1 (w = d * q + m, q in 0..15) two to a byte, [N/32][K/8][32][4] with byte t of
+// an output's four holding inputs 8k + t (low nibble) and 8k + 4 + t (high nibble): a quarter
+// of bf16's bytes. Activations then take a scale per 32 inputs, as llama.cpp's do, and each
+// group folds in as acc += s_x * (d * sum) for Q8_0, acc += s_x * (d * sum + m * sum(x_q))
+// for the 4-bit formats, whose values are unsigned already.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -62,19 +70,33 @@ constexpr float kTinyGroup = 127.f / kMaxFloat;
 
 // One activation row, quantized group by group. For group g: q = rint(x * (127 / absmax)),
 // scale[g] = absmax / 127 (0 for an all-zero group, or one too small for a finite step; NaN
-// for one with a non-finite value, whose row then comes out NaN), corr[g] = 128 * sum(q), the
-// offset of the unsigned weights.
+// for one with a non-finite value, whose row then comes out NaN), xsum[g] = sum(q) (128 times
+// it is the offset of the unsigned int8 weights; the 4-bit formats' minimum multiplies it).
 struct Rows {
   std::vector<int8_t> q;
   std::vector<float> scale;
-  std::vector<int32_t> corr;
+  std::vector<int32_t> xsum;
   int64_t K, groups;
   Rows(int64_t M, int64_t K, int64_t group)
-      : q(M * K), scale(M * (K / group)), corr(M * (K / group)), K(K), groups(K / group) {}
+      : q(M * K), scale(M * (K / group)), xsum(M * (K / group)), K(K), groups(K / group) {}
 };
 
+// How a weight is stored: int8 with one scale per output (quantization: int8), or a GGUF block
+// format with a scale (and for Q4_1 a minimum) per output and 32 inputs.
+enum class Fmt { kChannel, kQ8, kQ4 };
+
+// One packed block of 32 outputs' scales: `channel` [32] fp32 (kChannel), or `d` and `m`, fp16
+// bits [K/32][32] (kQ8 uses d alone).
+struct Scales {
+  const float* channel;
+  const uint16_t* d;
+  const uint16_t* m;
+};
+
+inline float half_bits(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
 template <typename InT>
-void quantize_group(const InT* x, int64_t G, int8_t* q, float* scale, int32_t* corr) {
+void quantize_group(const InT* x, int64_t G, int8_t* q, float* scale, int32_t* xsum) {
   float absmax = 0.f;
   bool finite = true;
   for (int64_t k = 0; k < G; ++k) {
@@ -85,7 +107,7 @@ void quantize_group(const InT* x, int64_t G, int8_t* q, float* scale, int32_t* c
   if (!finite || absmax < kTinyGroup) {
     std::memset(q, 0, G);
     *scale = finite ? 0.f : NAN;
-    *corr = 0;
+    *xsum = 0;
     return;
   }
   const float inv = reciprocal_step(absmax);
@@ -96,7 +118,7 @@ void quantize_group(const InT* x, int64_t G, int8_t* q, float* scale, int32_t* c
     sum += q[k];
   }
   *scale = absmax / 127.f;
-  *corr = 128 * sum;
+  *xsum = sum;
 }
 
 #if defined(TANDEM_INT8_VNNI)
@@ -106,7 +128,7 @@ inline __m512 load_x16(const uint16_t* p) { return tandem::load_bf16_x16(p); }
 // quantize_group's arithmetic 16 lanes at a time (G a multiple of 16, at most 64): the same
 // IEEE operations (max, one product, round to nearest even), so the same values.
 template <typename InT>
-void quantize_group_x16(const InT* x, int64_t G, int8_t* q, float* scale, int32_t* corr) {
+void quantize_group_x16(const InT* x, int64_t G, int8_t* q, float* scale, int32_t* xsum) {
   __m512 v[4];
   const int n = static_cast<int>(G / 16);
   __m512 mx = _mm512_setzero_ps();
@@ -121,7 +143,7 @@ void quantize_group_x16(const InT* x, int64_t G, int8_t* q, float* scale, int32_
   if (finite != 0xFFFF || absmax < kTinyGroup) {
     std::memset(q, 0, G);
     *scale = finite != 0xFFFF ? NAN : 0.f;
-    *corr = 0;
+    *xsum = 0;
     return;
   }
   const __m512 inv = _mm512_set1_ps(reciprocal_step(absmax));
@@ -135,7 +157,7 @@ void quantize_group_x16(const InT* x, int64_t G, int8_t* q, float* scale, int32_
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * i), _mm512_cvtepi32_epi8(qi));
   }
   *scale = absmax / 127.f;
-  *corr = 128 * _mm512_reduce_add_epi32(sum);
+  *xsum = _mm512_reduce_add_epi32(sum);
 }
 #endif
 
@@ -146,11 +168,11 @@ void quantize_row(const InT* x, Rows& r, int64_t m, int64_t G, bool portable) {
     int8_t* q = r.q.data() + m * r.K + g * G;
 #if defined(TANDEM_INT8_VNNI)
     if (!portable) {
-      quantize_group_x16(x + g * G, G, q, &r.scale[i], &r.corr[i]);
+      quantize_group_x16(x + g * G, G, q, &r.scale[i], &r.xsum[i]);
       continue;
     }
 #endif
-    quantize_group(x + g * G, G, q, &r.scale[i], &r.corr[i]);
+    quantize_group(x + g * G, G, q, &r.scale[i], &r.xsum[i]);
   }
 }
 
@@ -160,29 +182,58 @@ inline void store(OutT* out, int64_t n, float v) {
   else out[n] = to_bf16(v);
 }
 
+// Weight bytes per packed block of 32 outputs over K inputs.
+template <Fmt F>
+constexpr int64_t block_bytes(int64_t K) {
+  return F == Fmt::kQ4 ? K * kBlockN / 2 : K * kBlockN;
+}
+
 // Rows [m, m + mb) against one packed block of 32 outputs, in plain C++.
-template <typename OutT>
+template <Fmt F, typename OutT>
 void block_portable(int mb, const Rows& r, int64_t m0, int64_t G, const uint8_t* w,
-                    const float* sw, OutT* out, int64_t out_stride) {
-  const int64_t K = r.K, kq_per_group = G / 4;
+                    const Scales& sw, OutT* out, int64_t out_stride) {
+  const int64_t K = r.K;
   for (int m = 0; m < mb; ++m) {
     const int64_t row = m0 + m;
     const int8_t* xq = r.q.data() + row * K;
     float acc[kBlockN] = {};
     for (int64_t g = 0; g < r.groups; ++g) {
       int32_t sum[kBlockN] = {};
-      for (int64_t kq = g * kq_per_group; kq < (g + 1) * kq_per_group; ++kq) {
-        const uint8_t* wk = w + kq * kBlockN * 4;
-        for (int64_t j = 0; j < kBlockN; ++j)
-          for (int64_t t = 0; t < 4; ++t)
-            sum[j] += static_cast<int32_t>(wk[j * 4 + t]) * static_cast<int32_t>(xq[4 * kq + t]);
+      if constexpr (F == Fmt::kQ4) {
+        for (int64_t ko = g * G / 8; ko < (g + 1) * G / 8; ++ko) {
+          const uint8_t* wk = w + ko * kBlockN * 4;
+          for (int64_t j = 0; j < kBlockN; ++j)
+            for (int64_t t = 0; t < 4; ++t) {
+              const int32_t b = wk[j * 4 + t];
+              sum[j] += (b & 15) * static_cast<int32_t>(xq[8 * ko + t]) +
+                        (b >> 4) * static_cast<int32_t>(xq[8 * ko + 4 + t]);
+            }
+        }
+      } else {
+        for (int64_t kq = g * G / 4; kq < (g + 1) * G / 4; ++kq) {
+          const uint8_t* wk = w + kq * kBlockN * 4;
+          for (int64_t j = 0; j < kBlockN; ++j)
+            for (int64_t t = 0; t < 4; ++t)
+              sum[j] += static_cast<int32_t>(wk[j * 4 + t]) * static_cast<int32_t>(xq[4 * kq + t]);
+        }
       }
       const float s = r.scale[row * r.groups + g];
-      const int32_t c = r.corr[row * r.groups + g];
-      for (int64_t j = 0; j < kBlockN; ++j)
-        acc[j] = std::fma(static_cast<float>(sum[j] - c), s, acc[j]);
+      const int32_t xs = r.xsum[row * r.groups + g];
+      for (int64_t j = 0; j < kBlockN; ++j) {
+        if constexpr (F == Fmt::kChannel) {
+          acc[j] = std::fma(static_cast<float>(sum[j] - 128 * xs), s, acc[j]);
+        } else if constexpr (F == Fmt::kQ8) {
+          const float t = static_cast<float>(sum[j] - 128 * xs) * half_bits(sw.d[g * kBlockN + j]);
+          acc[j] = std::fma(t, s, acc[j]);
+        } else {
+          const float t = std::fma(static_cast<float>(sum[j]), half_bits(sw.d[g * kBlockN + j]),
+                                   half_bits(sw.m[g * kBlockN + j]) * static_cast<float>(xs));
+          acc[j] = std::fma(t, s, acc[j]);
+        }
+      }
     }
-    for (int64_t j = 0; j < kBlockN; ++j) store(out + m * out_stride, j, acc[j] * sw[j]);
+    for (int64_t j = 0; j < kBlockN; ++j)
+      store(out + m * out_stride, j, F == Fmt::kChannel ? acc[j] * sw.channel[j] : acc[j]);
   }
 }
 
@@ -198,41 +249,78 @@ inline __m256i to_bf16_x16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
 }
 
+inline __m512 load_half_x16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, sizeof four);
+  return _mm512_set1_epi32(four);
+}
+
 // MB rows against one packed block of 32 outputs: per group, 2 * MB int32 sums in registers,
 // folded into 2 * MB fp32 accumulators at the group's end.
-template <int MB, typename OutT>
-inline void tile(const Rows& r, int64_t m0, int64_t G, const uint8_t* w, const float* sw,
+template <int MB, Fmt F, typename OutT>
+inline void tile(const Rows& r, int64_t m0, int64_t G, const uint8_t* w, const Scales& sw,
                  OutT* out, int64_t out_stride) {
-  const int64_t K = r.K, kq_per_group = G / 4;
+  const int64_t K = r.K;
   __m512 acc[MB][2];
   for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < r.groups; ++g) {
     __m512i sum[MB][2];
     for (int m = 0; m < MB; ++m) sum[m][0] = sum[m][1] = _mm512_setzero_si512();
-    for (int64_t kq = g * kq_per_group; kq < (g + 1) * kq_per_group; ++kq) {
-      const __m512i w0 = _mm512_loadu_si512(w + kq * kBlockN * 4);
-      const __m512i w1 = _mm512_loadu_si512(w + kq * kBlockN * 4 + 64);
-      for (int m = 0; m < MB; ++m) {
-        int32_t four;
-        std::memcpy(&four, r.q.data() + (m0 + m) * K + 4 * kq, sizeof four);
-        const __m512i a = _mm512_set1_epi32(four);
-        sum[m][0] = _mm512_dpbusd_epi32(sum[m][0], w0, a);
-        sum[m][1] = _mm512_dpbusd_epi32(sum[m][1], w1, a);
+    if constexpr (F == Fmt::kQ4) {
+      const __m512i low = _mm512_set1_epi8(15);
+      for (int64_t ko = g * G / 8; ko < (g + 1) * G / 8; ++ko) {
+        const __m512i v0 = _mm512_loadu_si512(w + ko * kBlockN * 4);
+        const __m512i v1 = _mm512_loadu_si512(w + ko * kBlockN * 4 + 64);
+        const __m512i lo0 = _mm512_and_si512(v0, low), lo1 = _mm512_and_si512(v1, low);
+        const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+        const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* xq = r.q.data() + (m0 + m) * K + 8 * ko;
+          const __m512i a = broadcast4(xq), b = broadcast4(xq + 4);
+          sum[m][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum[m][0], lo0, a), hi0, b);
+          sum[m][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum[m][1], lo1, a), hi1, b);
+        }
+      }
+    } else {
+      for (int64_t kq = g * G / 4; kq < (g + 1) * G / 4; ++kq) {
+        const __m512i w0 = _mm512_loadu_si512(w + kq * kBlockN * 4);
+        const __m512i w1 = _mm512_loadu_si512(w + kq * kBlockN * 4 + 64);
+        for (int m = 0; m < MB; ++m) {
+          const __m512i a = broadcast4(r.q.data() + (m0 + m) * K + 4 * kq);
+          sum[m][0] = _mm512_dpbusd_epi32(sum[m][0], w0, a);
+          sum[m][1] = _mm512_dpbusd_epi32(sum[m][1], w1, a);
+        }
       }
     }
+    __m512 d[2], mn[2];
+    if constexpr (F != Fmt::kChannel)
+      for (int h = 0; h < 2; ++h) d[h] = load_half_x16(sw.d + g * kBlockN + 16 * h);
+    if constexpr (F == Fmt::kQ4)
+      for (int h = 0; h < 2; ++h) mn[h] = load_half_x16(sw.m + g * kBlockN + 16 * h);
     for (int m = 0; m < MB; ++m) {
       const int64_t i = (m0 + m) * r.groups + g;
-      const __m512i c = _mm512_set1_epi32(r.corr[i]);
       const __m512 s = _mm512_set1_ps(r.scale[i]);
-      for (int h = 0; h < 2; ++h)
-        acc[m][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[m][h], c)), s,
-                                    acc[m][h]);
+      for (int h = 0; h < 2; ++h) {
+        __m512 t;
+        if constexpr (F == Fmt::kQ4) {
+          const __m512 xs = _mm512_set1_ps(static_cast<float>(r.xsum[i]));
+          t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m][h]), d[h], _mm512_mul_ps(mn[h], xs));
+        } else {
+          t = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[m][h], _mm512_set1_epi32(128 * r.xsum[i])));
+          if constexpr (F == Fmt::kQ8) t = _mm512_mul_ps(t, d[h]);
+        }
+        acc[m][h] = _mm512_fmadd_ps(t, s, acc[m][h]);
+      }
     }
   }
   for (int h = 0; h < 2; ++h) {
-    const __m512 s = _mm512_loadu_ps(sw + 16 * h);
     for (int m = 0; m < MB; ++m) {
-      const __m512 y = _mm512_mul_ps(acc[m][h], s);
+      __m512 y = acc[m][h];
+      if constexpr (F == Fmt::kChannel) y = _mm512_mul_ps(y, _mm512_loadu_ps(sw.channel + 16 * h));
       OutT* o = out + m * out_stride + 16 * h;
       if constexpr (std::is_same_v<OutT, float>)
         _mm512_storeu_ps(o, y);
@@ -242,23 +330,31 @@ inline void tile(const Rows& r, int64_t m0, int64_t G, const uint8_t* w, const f
   }
 }
 
-template <typename OutT>
-void block_vnni(int mb, const Rows& r, int64_t m0, int64_t G, const uint8_t* w, const float* sw,
+template <Fmt F, typename OutT>
+void block_vnni(int mb, const Rows& r, int64_t m0, int64_t G, const uint8_t* w, const Scales& sw,
                 OutT* o, int64_t os) {
   switch (mb) {
-    case 1: return tile<1>(r, m0, G, w, sw, o, os);
-    case 2: return tile<2>(r, m0, G, w, sw, o, os);
-    case 3: return tile<3>(r, m0, G, w, sw, o, os);
-    case 4: return tile<4>(r, m0, G, w, sw, o, os);
-    case 5: return tile<5>(r, m0, G, w, sw, o, os);
-    default: return tile<6>(r, m0, G, w, sw, o, os);
+    case 1: return tile<1, F>(r, m0, G, w, sw, o, os);
+    case 2: return tile<2, F>(r, m0, G, w, sw, o, os);
+    case 3: return tile<3, F>(r, m0, G, w, sw, o, os);
+    case 4: return tile<4, F>(r, m0, G, w, sw, o, os);
+    case 5: return tile<5, F>(r, m0, G, w, sw, o, os);
+    default: return tile<6, F>(r, m0, G, w, sw, o, os);
   }
 }
 #endif
 
-template <typename InT, typename OutT>
+// The weight's scales for packed block nb.
+template <Fmt F>
+Scales block_scales(const Scales& all, int64_t nb, int64_t K) {
+  if constexpr (F == Fmt::kChannel) return {all.channel + nb * kBlockN, nullptr, nullptr};
+  const int64_t off = nb * (K / 32) * kBlockN;
+  return {nullptr, all.d + off, all.m == nullptr ? nullptr : all.m + off};
+}
+
+template <Fmt F, typename InT, typename OutT>
 void linear(const InT* x, int64_t xs, int64_t M, int64_t K, int64_t G, const uint8_t* w,
-            const float* sw, int64_t NB, bool portable, OutT* out) {
+            const Scales& sw, int64_t NB, bool portable, OutT* out) {
   const int64_t N = NB * kBlockN;
   Rows r(M, K, G);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
@@ -271,22 +367,51 @@ void linear(const InT* x, int64_t xs, int64_t M, int64_t K, int64_t G, const uin
     const int64_t t1 = std::min(M, t0 + kTileM);
     at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t nb = b0; nb < b1; ++nb) {
-        const uint8_t* wb = w + nb * K * kBlockN;
-        const float* s = sw + nb * kBlockN;
+        const uint8_t* wb = w + nb * block_bytes<F>(K);
+        const Scales s = block_scales<F>(sw, nb, K);
 #if defined(TANDEM_INT8_VNNI)
         if (vnni) {
           for (int64_t m = t0; m < t1; m += kTileRows)
-            block_vnni(static_cast<int>(std::min<int64_t>(kTileRows, t1 - m)), r, m, G, wb, s,
-                       out + m * N + nb * kBlockN, N);
+            block_vnni<F>(static_cast<int>(std::min<int64_t>(kTileRows, t1 - m)), r, m, G, wb, s,
+                          out + m * N + nb * kBlockN, N);
           continue;
         }
 #endif
         for (int64_t m = t0; m < t1; m += 8)
-          block_portable(static_cast<int>(std::min<int64_t>(8, t1 - m)), r, m, G, wb, s,
-                         out + m * N + nb * kBlockN, N);
+          block_portable<F>(static_cast<int>(std::min<int64_t>(8, t1 - m)), r, m, G, wb, s,
+                            out + m * N + nb * kBlockN, N);
       }
     });
   }
+}
+
+// Dispatches on x's dtype and the output's: [M, N] in x's dtype, or fp32 with float_out.
+template <Fmt F>
+torch::Tensor run(torch::Tensor x, const uint8_t* w, const Scales& sw, int64_t NB, int64_t group,
+                  bool float_out, bool portable) {
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  const int64_t M = x.size(0), K = x.size(1), N = NB * kBlockN;
+  const bool fp32_out = float_out || !bf16;
+  auto out = torch::empty({M, N}, x.options().dtype(fp32_out ? torch::kFloat : torch::kBFloat16));
+  if (bf16) {
+    const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    if (fp32_out)
+      linear<F>(xp, x.stride(0), M, K, group, w, sw, NB, portable, out.data_ptr<float>());
+    else
+      linear<F>(xp, x.stride(0), M, K, group, w, sw, NB, portable,
+                reinterpret_cast<uint16_t*>(out.data_ptr()));
+  } else {
+    linear<F>(x.data_ptr<float>(), x.stride(0), M, K, group, w, sw, NB, portable,
+              out.data_ptr<float>());
+  }
+  return out;
+}
+
+void check_x(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K], rows contiguous");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat,
+              "x must be bf16 or fp32");
+  TORCH_CHECK(x.device().is_cpu(), "the int8 kernels take CPU tensors");
 }
 }  // namespace int8_linear
 
@@ -327,37 +452,77 @@ torch::Tensor pack_linear_int8(torch::Tensor q) {
 // VNNI is built.
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           int64_t group, bool float_out, bool portable) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K], rows contiguous");
-  const bool bf16 = x.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(bf16 || x.scalar_type() == torch::kFloat, "x must be bf16 or fp32");
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && scales.device().is_cpu(),
-              "linear_int8 takes CPU tensors");
+  int8_linear::check_x(x);
+  TORCH_CHECK(packed.device().is_cpu() && scales.device().is_cpu(), "linear_int8 takes CPU tensors");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kByte &&
                   packed.size(1) * 4 == x.size(1) && packed.size(2) == int8_linear::kBlockN &&
                   packed.size(3) == 4 && packed.is_contiguous(),
               "packed weight does not match x's ", x.size(1), " inputs");
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0);
+  const int64_t K = x.size(1), NB = packed.size(0);
   const int64_t N = NB * int8_linear::kBlockN;
   TORCH_CHECK((group == 32 || group == 64) && K % group == 0, "group ", group,
               ": must be 32 or 64 and divide the ", K, " inputs");
   TORCH_CHECK(scales.numel() == N && scales.scalar_type() == torch::kFloat &&
                   scales.is_contiguous(),
               "scales must be contiguous [", N, "] fp32");
-  const bool fp32_out = float_out || !bf16;
-  auto out = torch::empty({M, N}, x.options().dtype(fp32_out ? torch::kFloat : torch::kBFloat16));
+  const int8_linear::Scales sw{scales.data_ptr<float>(), nullptr, nullptr};
+  return int8_linear::run<int8_linear::Fmt::kChannel>(x, packed.data_ptr<uint8_t>(), sw, NB,
+                                                       group, float_out, portable);
+}
+
+// q: [N, K] uint8 in 0..15, N and K multiples of 32. Returns the packed [N/32, K/8, 32, 4]
+// uint8: byte t of output j's four at k holds input 8k + t (low nibble) and 8k + 4 + t (high).
+torch::Tensor pack_linear_int4(torch::Tensor q) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kByte, "weight must be a 2-d uint8 tensor");
+  const int64_t N = q.size(0), K = q.size(1), B = int8_linear::kBlockN;
+  TORCH_CHECK(N % B == 0 && K % 32 == 0, "weight [", N, ", ", K,
+              "]: outputs and inputs must be multiples of 32");
+  TORCH_CHECK(q.max().item<uint8_t>() < 16, "4-bit weight values must be in 0..15");
+  const auto src_t = q.contiguous();
+  auto packed = torch::empty({N / B, K / 8, B, 4}, q.options());
+  const auto* src = src_t.data_ptr<uint8_t>();
+  auto* dst = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, N / B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb)
+      for (int64_t ko = 0; ko < K / 8; ++ko)
+        for (int64_t j = 0; j < B; ++j)
+          for (int64_t t = 0; t < 4; ++t) {
+            const uint8_t* row = src + (nb * B + j) * K + 8 * ko;
+            dst[((nb * (K / 8) + ko) * B + j) * 4 + t] =
+                static_cast<uint8_t>(row[t] | (row[4 + t] << 4));
+          }
+  });
+  return packed;
+}
+
+// GGUF block formats, as stored. x as linear_int8's; packed: from pack_linear_int8 (Q8_0) or
+// pack_linear_int4 (Q4_0/Q4_1, four_bit); d, m: fp16 [N/32, K/32, 32], each output's scale and
+// (4-bit only; Q4_0's is -8 d) minimum per 32 inputs, m empty for Q8_0. Activations take a
+// scale per 32 inputs.
+torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor packed, torch::Tensor d,
+                            torch::Tensor m, bool four_bit, bool float_out, bool portable) {
+  int8_linear::check_x(x);
+  const int64_t K = x.size(1), B = int8_linear::kBlockN;
+  TORCH_CHECK(packed.device().is_cpu() && d.device().is_cpu() && m.device().is_cpu(),
+              "linear_blocks takes CPU tensors");
+  TORCH_CHECK(K % 32 == 0, "x's ", K, " inputs are not whole blocks of 32");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kByte &&
+                  packed.size(1) * (four_bit ? 8 : 4) == K && packed.size(2) == B &&
+                  packed.size(3) == 4 && packed.is_contiguous(),
+              "packed weight does not match x's ", K, " inputs");
+  const int64_t NB = packed.size(0);
+  auto scales_ok = [&](const torch::Tensor& t) {
+    return t.scalar_type() == torch::kHalf && t.is_contiguous() && t.dim() == 3 &&
+           t.size(0) == NB && t.size(1) == K / 32 && t.size(2) == B;
+  };
+  TORCH_CHECK(scales_ok(d), "d must be contiguous [", NB, ", ", K / 32, ", 32] fp16");
+  TORCH_CHECK(four_bit ? scales_ok(m) : m.numel() == 0,
+              four_bit ? "m must be shaped as d" : "Q8_0 takes no minimum (m empty)");
+  const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr());
+  const auto* mp = four_bit ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr;
+  const int8_linear::Scales sw{nullptr, dp, mp};
   const auto* w = packed.data_ptr<uint8_t>();
-  const auto* sw = scales.data_ptr<float>();
-  if (bf16) {
-    const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-    if (fp32_out)
-      int8_linear::linear(xp, x.stride(0), M, K, group, w, sw, NB, portable,
-                          out.data_ptr<float>());
-    else
-      int8_linear::linear(xp, x.stride(0), M, K, group, w, sw, NB, portable,
-                          reinterpret_cast<uint16_t*>(out.data_ptr()));
-  } else {
-    int8_linear::linear(x.data_ptr<float>(), x.stride(0), M, K, group, w, sw, NB, portable,
-                        out.data_ptr<float>());
-  }
-  return out;
+  if (four_bit)
+    return int8_linear::run<int8_linear::Fmt::kQ4>(x, w, sw, NB, 32, float_out, portable);
+  return int8_linear::run<int8_linear::Fmt::kQ8>(x, w, sw, NB, 32, float_out, portable);
 }
