@@ -6,7 +6,7 @@ Reads a job as JSON on stdin: {"gguf", "prompts": [[token ids]...], "max_tokens"
 greedy (the argmax of each row's logits), EOS ignored: the batched decode of llama.cpp's
 `llama-batched-bench`, through its C API (llama_batch with a sequence id per row; one KV
 stream per sequence). Writes {"runs": [{"wall_s", "prefill_s", "decode_s", "tokens"}...],
-"system_info", "version", "outputs": [[token ids]...]} as JSON on stdout.
+"system_info", "version", "outputs": [[token ids]...]} on stdout, as one `RESULT <json>` line.
 """
 
 from __future__ import annotations
@@ -91,15 +91,13 @@ def main() -> None:
                 "tokens": n * steps,
             }
         )
-    json.dump(
-        {
-            "runs": runs,
-            "outputs": outputs,
-            "version": L.__version__,
-            "system_info": L.llama_print_system_info().decode(),
-        },
-        sys.stdout,
-    )
+    result = {
+        "runs": runs,
+        "outputs": outputs,
+        "version": L.__version__,
+        "system_info": L.llama_print_system_info().decode(),
+    }
+    print("RESULT " + json.dumps(result), flush=True)
     L.llama_batch_free(batch)
     L.llama_free(ctx)
     L.llama_model_free(model)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ from benchmarks.common import (  # noqa: E402
     machine,
     median,
     print_table,
+    run_worker,
 )
 
 DEFAULT_LLAMACPP_PYTHON = Path(
@@ -74,6 +74,7 @@ def run_tandem(job: dict) -> dict:
             quantization=job["quantization"],
             max_num_seqs=n,
             num_threads=job["threads"],
+            enable_prefix_caching=False,  # each run prefills, as llama.cpp's (cleared) does
         )
     )
     sampling = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
@@ -97,35 +98,6 @@ def run_tandem(job: dict) -> dict:
         prefill, decode, outputs = once()
         runs.append({"wall_s": prefill + decode, "prefill_s": prefill, "decode_s": decode})
     return {"runs": runs, "outputs": outputs}
-
-
-def run_llamacpp(job: dict, python: Path, timeout: float) -> dict:
-    proc = subprocess.run(
-        [str(python), str(ROOT / "benchmarks" / "_llamacpp_run.py")],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"llama.cpp run failed: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout)
-
-
-def run_worker(job: dict, timeout: float) -> dict:
-    """A Tandem run in a process of its own, as llama.cpp's is."""
-    proc = subprocess.run(
-        [sys.executable, __file__, "--worker"],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    raise RuntimeError(f"Tandem run failed: {proc.stderr[-2000:]}")
 
 
 def summarise(result: dict, n: int, max_tokens: int) -> dict:
@@ -199,11 +171,14 @@ def main() -> None:
                     "runs": args.runs,
                     "quantization": "gguf" if system == "tandem-gguf" else "none",
                 }
-                log(f"[{qtype} batch {b}] {system}")
                 if system == "llama.cpp":
-                    raw = run_llamacpp(job, args.llamacpp_python, args.timeout)
+                    cmd = [str(args.llamacpp_python), str(ROOT / "benchmarks" / "_llamacpp_run.py")]
                 else:
-                    raw = run_worker(job, args.timeout)
+                    cmd = [sys.executable, __file__, "--worker"]
+                raw, failure = run_worker(f"{qtype} batch {b} {system}", cmd, job, args.timeout)
+                if raw is None:
+                    results[f"{qtype}/{b}/{system}"] = {"failed": failure}
+                    continue
                 row = summarise(raw, b, args.max_tokens)
                 row["outputs"] = raw["outputs"]
                 if "system_info" in raw:
@@ -214,8 +189,12 @@ def main() -> None:
     for qtype in files:
         for b in batches:
             ref = results.get(f"{qtype}/{b}/llama.cpp")
+            ref = ref if ref and "failed" not in ref else None
             for system in systems:
                 r = results[f"{qtype}/{b}/{system}"]
+                if "failed" in r:
+                    table.append([qtype, b, system, "failed", "", "", "", ""])
+                    continue
                 vs = (
                     f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x"
                     if ref and system != "llama.cpp"

@@ -43,6 +43,7 @@ from benchmarks.common import (  # noqa: E402
     print_table,
     quantized_runs,
     run_worker,
+    tandem_model,
     unquantized_label,
     vllm_env,
 )
@@ -65,7 +66,7 @@ def run_tandem(job: dict, batching: str) -> list[dict]:
 
     engine = LLMEngine(
         EngineConfig(
-            model=job["model_dir"],
+            model=tandem_model(job, job.get("quantization", "none")),
             dtype=job["dtype"],
             quantization=job.get("quantization", "none"),
             max_num_seqs=job["max_batch"],

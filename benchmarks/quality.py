@@ -1,9 +1,14 @@
 """What quantization costs in accuracy: perplexity on a held-out public-domain text, and greedy
 agreement with the full-width model, for each --quantization, in one run.
 
-    python benchmarks/quality.py [--quantization none,int8] [--dtype bfloat16]
-        [--tokens 50000] [--window 1024] [--prompts 32] [--max-tokens 64]
+    python benchmarks/quality.py [--quantization none,int8,gguf] [--dtype bfloat16]
+        [--gguf-type Q4_1] [--tokens 50000] [--window 1024] [--prompts 32] [--max-tokens 64]
         [--text benchmarks/texts/sherlock_holmes.txt] [--out F.json]
+
+The model is the default one, from a GGUF file of --gguf-type: Q4_1 is its own file, another
+type (Q8_0, Q4_0) the same weights written in it once (benchmarks/common.py's export_gguf).
+`none` dequantizes the file at load, `gguf` serves its blocks as stored, `int8` quantizes the
+dequantized weights per output channel.
 
 Perplexity: the text's body (between Project Gutenberg's START and END lines) is tokenized,
 cut to --tokens, and scored in windows of --window tokens, each teacher-forced from its own
@@ -15,7 +20,7 @@ Greedy agreement: the first --prompts prompts of the offline workload, --max-tok
 full-width one): the share of sequences identical, and the mean share of each sequence's
 tokens before its first difference.
 
-Target: perplexity within 1% of bf16 for int8. Writes JSON to
+Targets: perplexity within 1% of bf16 for int8, within 3% for 4-bit. Writes JSON to
 benchmarks/results/quality.json, with the CPU model and flags.
 """
 
@@ -33,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (  # noqa: E402
     RESULTS,
     ROOT,
+    default_gguf,
     describe_machine,
+    export_gguf,
     load_workload,
     log,
     machine,
@@ -99,7 +106,8 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--quantization", default="none,int8")
+    p.add_argument("--quantization", default="none,int8,gguf")
+    p.add_argument("--gguf-type", default="Q4_1", help="the GGUF file's type (Q4_1: the default)")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--text", type=Path, default=TEXT)
     p.add_argument("--tokens", type=int, default=50000, help="tokens of the text scored")
@@ -120,14 +128,23 @@ def main() -> None:
         p.error("--tokens and --window need at least 2, --prompts and --max-tokens 1")
     if not args.text.is_file():
         p.error(f"--text {args.text}: no such file")
+    model = default_gguf()
+    if args.gguf_type != "Q4_1":
+        try:
+            model = export_gguf(
+                args.gguf_type, RESULTS / f"smollm2-135m-instruct-{args.gguf_type.lower()}.gguf"
+            )
+        except (KeyError, NotImplementedError) as e:
+            p.error(f"--gguf-type {args.gguf_type}: cannot be written ({e})")
     m = machine()
-    log(f"{describe_machine(m)}; {args.dtype}, configurations {configs}")
+    log(f"{describe_machine(m)}; {model.name}, {args.dtype}, configurations {configs}")
     blocks = -(-args.window // 16) + 64 * -(-(args.max_tokens + 2048) // 16)
     results, reference = {}, None
     for q in configs:
         t0 = time.perf_counter()
         engine = LLMEngine(
             EngineConfig(
+                model=str(model),
                 device="cpu",  # int8 is the CPU's: every configuration on the same device
                 dtype=args.dtype,
                 quantization=q,
@@ -184,7 +201,10 @@ def main() -> None:
         rows,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    config = {k: v for k, v in vars(args).items() if k != "out"} | {"text": str(args.text)}
+    config = {k: v for k, v in vars(args).items() if k != "out"} | {
+        "text": str(args.text),
+        "model": str(model),
+    }
     args.out.write_text(json.dumps({"config": config, "machine": m, "results": results}, indent=2))
     print(f"wrote {args.out}")
 

@@ -51,6 +51,7 @@ class TandemEngine:
 
     def __init__(self, job: dict) -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from benchmarks.common import tandem_model
         from workers.engine.config import EngineConfig
         from workers.engine.constraint import Constraint
         from workers.engine.engine import LLMEngine
@@ -62,7 +63,7 @@ class TandemEngine:
         self.constraint = Constraint.json_schema(schema) if schema is not None else None
         self.engine = LLMEngine(
             EngineConfig(
-                model=job["model_dir"],
+                model=tandem_model(job, job.get("quantization", "none")),
                 dtype=job["dtype"],
                 quantization=job.get("quantization", "none"),
                 max_num_seqs=max(job["batches"]),
