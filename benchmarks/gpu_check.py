@@ -584,6 +584,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="the figures' model")
     ap.add_argument("--no-figures", action="store_true", help="the checks alone")
+    ap.add_argument(
+        "--quantization",
+        choices=("none", "fp8"),
+        default="none",
+        help="fp8: the decode steps again with fp8 weights, against the bf16 floor and step",
+    )
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -620,7 +626,7 @@ def main(argv=None) -> int:
     if not args.no_figures:
         print(f"figures: the {args.shape} shape on {dev}, bf16, each against its floor")
         try:
-            figures = measure(args.shape, dev, args.quick)
+            figures = measure(args.shape, dev, args.quick, quantization=args.quantization)
         except Exception as e:
             tail = traceback.format_exc().strip().splitlines()[-1]
             print(f"FAIL  figures raised {type(e).__name__}: {tail}")
@@ -630,7 +636,8 @@ def main(argv=None) -> int:
         + (f"; FAILED: {', '.join(failed)}" if failed else "")
     )
     if args.json:
-        doc = {"device": str(dev), "shape": args.shape, "checks": [r.__dict__ for r in results]}
+        doc = {"device": str(dev), "shape": args.shape, "quantization": args.quantization}
+        doc["checks"] = [r.__dict__ for r in results]
         doc["figures"] = as_json(figures)
         args.json.write_text(json.dumps(doc, indent=2))
     return 1 if failed else 0

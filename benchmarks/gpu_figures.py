@@ -13,6 +13,9 @@ model of a given shape with random weights made on the device:
 - offline: output tokens per second of a batch of requests (256 of 512 in, 128 out,
   max_num_seqs 256); floor: the same tokens at the floors above (every prompt token at the
   prefill floor's rate, every decode step at the floor of the full batch).
+- with quantization fp8: decode-step-bN-fp8, the same step with the same weights quantized to
+  fp8 at load (quantization: fp8), against the same bf16 floor, and fp8-over-bf16-bN, its time
+  over the bf16 step's (a ratio: target at batch 1, at most 0.6).
 
 Each figure has `name`, `value` (its unit in `unit`), `floor` and `ratio`: how many times the
 floor's time it took (1.0 is the floor itself). Timings are medians of repeated runs on this
@@ -105,9 +108,11 @@ class Figure:
         return f"{self.name:<18} {self.value:>12,.3g} {self.unit}{floor}"
 
 
-def random_model(cfg: ModelConfig, dev: torch.device, dtype: torch.dtype, seed: int = 0):
+def random_model(
+    cfg: ModelConfig, dev: torch.device, dtype: torch.dtype, seed: int = 0, quantization="none"
+):
     """The model with seeded random weights made on `dev`, one tensor at a time, streamed
-    through the checkpoint loader."""
+    through the checkpoint loader (and quantized as `quantization` asks)."""
     g = torch.Generator(device=dev).manual_seed(seed)
     h, q, kv, f = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
 
@@ -132,7 +137,7 @@ def random_model(cfg: ModelConfig, dev: torch.device, dtype: torch.dtype, seed: 
             yield p + "input_layernorm.weight", w(h, std=0.1, one=True)
             yield p + "post_attention_layernorm.weight", w(h, std=0.1, one=True)
 
-    return assemble_model(cfg, tensors(), dtype, dev, "random weights")
+    return assemble_model(cfg, tensors(), dtype, dev, "random weights", quantization=quantization)
 
 
 def matmul_flops(cfg: ModelConfig, rows: int, logits_rows: int) -> float:
@@ -282,8 +287,11 @@ def offline_tokens_per_s(model, dev, plan: Plan) -> float:
     return made / (time.perf_counter() - t0)
 
 
-def measure(shape: str, dev: torch.device, quick: bool, log=print) -> list[Figure]:
-    """Every figure above for `shape` on `dev` (bf16, graphs on where the device has them)."""
+def measure(
+    shape: str, dev: torch.device, quick: bool, log=print, quantization: str = "none"
+) -> list[Figure]:
+    """Every figure above for `shape` on `dev` (bf16, graphs on where the device has them);
+    with quantization fp8, the decode steps again with fp8 weights."""
     cfg = SHAPES[shape]
     plan = Plan.of(shape, quick, dev.type == "cuda")
     figures = [read_bandwidth(dev, quick)]
@@ -292,10 +300,13 @@ def measure(shape: str, dev: torch.device, quick: bool, log=print) -> list[Figur
     repeats = 20 if dev.type == "cuda" else 3
     steps = decode_steps(model, dev, plan)
     _released(dev)
+    floors = {}
     for batch, seconds in steps.items():
-        floor = linear_floor(model, batch, batch, dev, repeats)
+        floors[batch] = floor = linear_floor(model, batch, batch, dev, repeats)
         figures.append(Figure(f"decode-step-b{batch}", 1e3 * seconds, "ms", 1e3 * floor))
         log(figures[-1].line())
+    if quantization == "fp8":
+        figures += fp8_decode_steps(cfg, dev, plan, steps, floors, log)
     flops = matmul_flops(cfg, plan.prompt, 1)
     seconds = prefill_seconds(model, dev, plan)
     _released(dev)
@@ -310,6 +321,23 @@ def measure(shape: str, dev: torch.device, quick: bool, log=print) -> list[Figur
     floor_rate = plan.requests * plan.tokens_out / (prompt_floor + rounds * step_floor)
     figures.append(Figure("offline", made, "tok/s", floor_rate))
     log(figures[-1].line())
+    return figures
+
+
+def fp8_decode_steps(cfg, dev, plan: Plan, bf16_steps: dict, floors: dict, log) -> list[Figure]:
+    """The decode steps with the same random weights quantized to fp8 at load, each against
+    the bf16 floor and the bf16 step."""
+    model = random_model(cfg, dev, torch.bfloat16, quantization="fp8")
+    figures = []
+    for batch, seconds in decode_steps(model, dev, plan).items():
+        figures.append(
+            Figure(f"decode-step-b{batch}-fp8", 1e3 * seconds, "ms", 1e3 * floors[batch])
+        )
+        log(figures[-1].line())
+        figures.append(Figure(f"fp8-over-bf16-b{batch}", seconds / bf16_steps[batch], "x"))
+        log(figures[-1].line())
+    del model
+    _released(dev)
     return figures
 
 

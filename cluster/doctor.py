@@ -93,6 +93,7 @@ def examine(cfg: ClusterConfig, ray_gpus: float | None = None) -> Report:
     r.offers.append(("Triton", triton or "not installed"))
     r.offers.append(("CPU kernels", _cpu_kernels()))
     r.offers.append(("int8 and GGUF-as-stored weights (CPU)", _int8_kernel()))
+    r.offers.append(("fp8 weights (CUDA)", _fp8(torch, cuda)))
     r.offers.append(("redis-server", shutil.which("redis-server") or "not on PATH"))
     r.offers.append(("Ray", _ray_auth(version("ray"))))
     _needs(r, cfg, torch_version, cuda, ray_gpus if ray_gpus is not None else gpus, nccl, flash)
@@ -192,9 +193,20 @@ def _cpu_kernels() -> str:
     return "not built yet: the first CPU worker compiles them (about 30 s; needs g++)"
 
 
+def _fp8(torch, cuda) -> str:
+    """Whether quantization: fp8 runs on this machine's first GPU."""
+    if not cuda:
+        return "needs a CUDA GPU of compute capability 8.9 or newer (none visible here)"
+    from workers.model.linear import fp8_unavailable
+
+    why_not = fp8_unavailable(torch.device("cuda", 0))
+    return why_not or "torch._scaled_mm on this GPU's fp8 tensor cores"
+
+
 def _int8_kernel() -> str:
-    """Which path quantization: int8 (and gguf) takes on this CPU: the built kernels' own answer where
-    they are built, else this CPU's flags (they are built for the CPU they run on)."""
+    """Which path quantization: int8 (and gguf) takes on this CPU: the built kernels' own
+    answer where they are built, else this CPU's flags (they are built for the CPU they run
+    on)."""
     from workers.model import cpu_kernels
     from workers.model.linear import int8_kernel
 

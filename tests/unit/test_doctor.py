@@ -43,3 +43,11 @@ def test_an_unreachable_redis_is_missing_and_its_password_not_shown():
     [missing] = report.missing
     assert missing.startswith("Redis at redis://") and "hunter2" not in missing
     assert "hunter2" not in dict(report.needs)["Redis"]
+
+
+def test_fp8_on_a_gpu_config_here_is_refused_and_the_offer_says_why(capsys):
+    assert main(["doctor", "--quantization", "fp8"]) == 1  # device auto: the CPU here
+    assert "compute capability 8.9" in capsys.readouterr().out
+    report = examine(config("--quantization", "fp8", "--prefill-gpus", "1", "--decode-gpus", "1"))
+    assert "no GPU is visible here" in "\n".join(report.missing)
+    assert "none visible here" in dict(report.offers)["fp8 weights (CUDA)"]

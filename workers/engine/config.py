@@ -14,7 +14,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = order_names(Side.ENGINE)  # the orders an engine serves (orders.py)
 BATCHING = ("continuous", "static")
 OVERLAP = ("auto", "on", "off")
-QUANTIZATIONS = ("none", "int8", "gguf")  # of linear weights (workers/model/linear.py)
+QUANTIZATIONS = ("none", "int8", "gguf", "fp8")  # of linear weights (workers/model/linear.py)
 # What "auto" resolves to on each kind of device: a dtype and block size every backend there
 # takes (flash-attn's pages are 256 tokens; the fallbacks take any size). On a GPU older than
 # sm80, which has no bf16 arithmetic, the dtype is float16 instead (`EngineConfig.resolve`).
@@ -102,7 +102,9 @@ class EngineConfig:
             "int8 per output channel, quantized at load, against activations quantized as "
             "they arrive, a scale per 64 inputs; gguf: a GGUF file's Q8_0, Q4_0 and Q4_1 "
             "linear weights served as stored, other quantized types refused (int8 and gguf: "
-            "CPU only; the KV cache keeps dtype)",
+            "CPU only); fp8: linear weights in fp8 e4m3 per output channel, quantized at load, "
+            "against activations quantized per row (CUDA, compute capability 8.9 or newer). "
+            "The KV cache keeps dtype",
             choices=QUANTIZATIONS,
         ),
     )
@@ -203,10 +205,15 @@ class EngineConfig:
             raise ValueError(
                 f"quantization={self.quantization!r}: choose from {', '.join(QUANTIZATIONS)}"
             )
-        if self.quantization != "none" and self.device.startswith("cuda"):
+        if self.quantization in ("int8", "gguf") and self.device.startswith("cuda"):
             raise ValueError(
-                f"quantization={self.quantization!r} runs on the CPU only; int8 and fp8 "
-                "weights on CUDA are not built (device='cpu', or quantization='none')"
+                f"quantization={self.quantization!r} runs on the CPU only (device='cpu'; on "
+                "CUDA, quantization='fp8' or 'none')"
+            )
+        if self.quantization == "fp8" and self.device == "cpu":
+            raise ValueError(
+                "quantization='fp8' runs on CUDA GPUs of compute capability 8.9 or newer "
+                "(on the CPU, quantization='int8')"
             )
         if self.device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device={self.device!r}: choose auto, cpu or cuda[:N]")

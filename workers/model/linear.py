@@ -15,7 +15,10 @@ hundreds, and each row's result independent of the rest of the batch.
 With `quantization: int8`, weights go to Tandem's int8 kernel instead (`quantize_linears`,
 csrc/linear_int8_cpu.cpp): half bf16's bytes per decode step. With `quantization: gguf`, a
 GGUF's Q8_0, Q4_0 and Q4_1 weights go to the same kernel's block formats as they are stored
-(`serve_stored`): about half and a quarter of bf16's bytes.
+(`serve_stored`): about half and a quarter of bf16's bytes. With `quantization: fp8` (CUDA,
+compute capability 8.9 or newer), weights are quantized at load to fp8 e4m3 per output channel
+and multiplied by `torch._scaled_mm` against activations quantized per row
+(`quantize_linears_fp8`).
 
 Packing replaces the dense weight: the layer keeps only the packed copy (a tied lm_head's
 packed copy comes on top of the embedding it shares). It is CPU-only and optional: without
@@ -104,18 +107,105 @@ def _concat(parts: list[BlockWeight]) -> BlockWeight:
     )
 
 
+FP8_MAX = 448.0  # e4m3's largest finite value
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A linear weight in fp8 e4m3 per output channel, for `torch._scaled_mm`: w ~ q * scale.
+    Each activation row is quantized as it arrives, at its own absmax / 448, so a row's result
+    depends on that row alone."""
+
+    q: torch.Tensor  # float8_e4m3fn [N, K]
+    scale: torch.Tensor  # fp32 [1, N]
+    bias: torch.Tensor | None
+
+    def matmul(self, kernels, rows: torch.Tensor, float_out: bool) -> torch.Tensor:
+        x = rows.float()
+        step = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_(min=1e-12)
+        xq = (x / step).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        out_dtype = torch.float32 if float_out else rows.dtype
+        # CUDA's row-wise scaled GEMMs write bf16 (fp32 only through cuBLAS on sm90)
+        native = torch.bfloat16 if rows.is_cuda else out_dtype
+        out = torch._scaled_mm(xq, self.q.t(), scale_a=step, scale_b=self.scale, out_dtype=native)
+        if self.bias is not None:
+            out = out + self.bias.to(native)
+        return out if native == out_dtype else out.to(out_dtype)
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 e4m3 per output channel: (q [N, K] float8_e4m3fn, scale [1, N] fp32), w ~ q * scale,
+    the row's largest magnitude at 448. An all-zero row gets scale 1."""
+    w = weight.detach().float()
+    step = w.abs().amax(dim=1) / FP8_MAX
+    scale = torch.where(step > 0, step, torch.ones_like(step))
+    q = (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale[None, :].contiguous()
+
+
+def fp8_unavailable(device: torch.device) -> str | None:
+    """None when linears can be served in fp8 on this device, else why not."""
+    if device.type != "cuda":
+        return (
+            f"quantization='fp8' runs on CUDA GPUs of compute capability 8.9 or newer (device "
+            f"{device}); on the CPU, quantization='int8' serves int8 weights"
+        )
+    if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+        return (
+            "quantization='fp8' needs torch._scaled_mm and float8_e4m3fn "
+            f"(torch {torch.__version__})"
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        return (
+            f"quantization='fp8' needs fp8 tensor cores (compute capability 8.9 or newer: Ada, "
+            f"Hopper, Blackwell); {name} is {major}.{minor} (quantization='none')"
+        )
+    return None
+
+
+def quantize_linears_fp8(model: nn.Module) -> int:
+    """Every linear layer of `model` whose outputs and inputs are multiples of 16 (what fp8
+    GEMMs take), quantized to fp8 per output channel in place, one layer at a time; returns
+    how many. The rest keep the model's dtype. The caller checks the device
+    (`fp8_unavailable`)."""
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    done = 0
+    with torch.no_grad():
+        for m in layers:
+            n, k = m.weight.shape
+            if n % 16 or k % 16:
+                continue
+            q, scale = quantize_fp8(m.weight)
+            m.quantized = Fp8Weight(q, scale, m.bias)
+            m.weight = None  # the dense copy goes, unless shared (a tied lm_head's embedding)
+            done += 1
+    log.info(
+        "%d of %d linear layers quantized to fp8 e4m3 per output channel%s",
+        done,
+        len(layers),
+        "; the others keep the model's dtype" if done < len(layers) else "",
+    )
+    return done
+
+
 class PackedLinear(nn.Linear):
     """`nn.Linear` that, once packed (`pack_linears`), multiplies by a oneDNN-packed copy of its
     weight, or by the copy one of Tandem's kernels takes (bf16, or int8 once quantized)."""
 
     packed: torch.Tensor | None = None
     kernels = None  # set when the weight is laid out for a kernel of Tandem's, not for oneDNN
-    quantized: Int8Weight | BlockWeight | None = None  # `quantize_linears`, `serve_stored`
+    quantized: Int8Weight | BlockWeight | Fp8Weight | None = None  # set by the quantizers
 
     def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
         """float_out: the result in fp32 (logits); Tandem's kernels then hand back their fp32
         sums, with no bf16 rounding and no cast. The other paths round to bf16 first, so a
         near-tie between two tokens may fall differently on a CPU without AVX512-BF16."""
+        if isinstance(self.quantized, Fp8Weight):
+            rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+            out = self.quantized.matmul(None, rows, float_out)
+            return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
         if self.kernels is not None:
             rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
             if rows.stride(-1) != 1:
@@ -236,8 +326,8 @@ def int8_unavailable(device: torch.device, quantization: str = "int8") -> str | 
     this device, else why not."""
     if device.type != "cpu":
         return (
-            f"quantization={quantization!r} runs on the CPU only (device {device}); "
-            "int8 and fp8 weights on CUDA are not built"
+            f"quantization={quantization!r} runs on the CPU only (device {device}); on CUDA, "
+            "quantization='fp8' serves fp8 weights"
         )
     if cpu_kernels() is None:
         why = "TANDEM_CPU_KERNELS=0" if switched_off() else "they did not build (see the log)"

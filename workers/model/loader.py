@@ -16,11 +16,13 @@ import torch
 from workers.model.config import CheckpointError, ModelConfig
 from workers.model.cpu_kernels import cpu_kernels
 from workers.model.linear import (
+    fp8_unavailable,
     int8_kernel,
     int8_unavailable,
     pack_linears,
     pack_stored,
     quantize_linears,
+    quantize_linears_fp8,
     serve_stored,
 )
 from workers.model.llama import LlamaForCausalLM
@@ -71,9 +73,7 @@ def resolve_model(ref: str | None) -> ModelSource:
     return ModelSource(path)
 
 
-def open_checkpoint(
-    src: ModelSource, stored: bool = False
-) -> tuple[ModelConfig, Iterator[tuple]]:
+def open_checkpoint(src: ModelSource, stored: bool = False) -> tuple[ModelConfig, Iterator[tuple]]:
     """The config, and a lazy stream of (HF name, host tensor): read one at a time as the
     stream is iterated, none kept by the reader once yielded. GGUF tensors come as float32,
     safetensors in their stored dtype. `stored` (GGUF only): linear weights in a block type
@@ -133,9 +133,12 @@ def assemble_model(
     """A model of `cfg` on `device` in `dtype`, filled from HF-named tensors as they come
     (`source` names them in errors); on the CPU, its linears packed for the CPU kernels, with
     quantization 'int8' quantized per output channel, or with 'gguf' served by the blocks
-    that come with them (a stream of `open_checkpoint(src, stored=True)`; linear.py)."""
-    if quantization not in ("none", "int8", "gguf"):
-        raise ValueError(f"quantization={quantization!r}: choose none, int8 or gguf")
+    that come with them (a stream of `open_checkpoint(src, stored=True)`); on CUDA, with
+    'fp8', quantized to fp8 e4m3 per output channel (linear.py)."""
+    if quantization not in ("none", "int8", "gguf", "fp8"):
+        raise ValueError(f"quantization={quantization!r}: choose none, int8, gguf or fp8")
+    if quantization == "fp8" and (why_not := fp8_unavailable(device)) is not None:
+        raise ValueError(why_not)
     positions = max(max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings)
     with torch.device("meta"):  # shapes alone: no memory, no random init
         model = LlamaForCausalLM(cfg, max_positions=positions)
@@ -152,6 +155,8 @@ def assemble_model(
         quantize_linears(model, device)
     elif quantization == "gguf":
         serve_stored(model, stored, device)
+    elif quantization == "fp8":
+        quantize_linears_fp8(model)
     if device.type == "cpu":
         pack_linears(model, device)
         model.use_fused_ops(cpu_kernels())

@@ -1,0 +1,93 @@
+"""fp8 weights (quantization: fp8): per-channel e4m3 weights against per-row e4m3 activations
+through torch._scaled_mm. It serves on CUDA GPUs of compute capability 8.9 or newer; torch's
+CPU build has a reference _scaled_mm, so the arithmetic, the model-level quantization and the
+refusals are checked here, on the CPU."""
+
+import pytest
+import torch
+
+from workers.engine.config import EngineConfig
+from workers.model.linear import (
+    FP8_MAX,
+    Fp8Weight,
+    PackedLinear,
+    fp8_unavailable,
+    quantize_fp8,
+    quantize_linears_fp8,
+)
+from workers.model.loader import ModelSource, build_model
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Both sides rounded to e4m3 at their own scale (activation rows at absmax / 448, weight
+    rows likewise), multiplied exactly, scaled back."""
+    w = weight.float()
+    ws = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    xs = x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX
+    wq = (w / ws).to(torch.float8_e4m3fn).double()
+    xq = (x.float() / xs).to(torch.float8_e4m3fn).double()
+    return (xq @ wq.t() * xs.double() * ws.double().t()).float()
+
+
+def test_weights_quantize_per_output_channel():
+    w = torch.randn(48, 64) * torch.tensor([1e-3, 1.0, 300.0] * 16)[:, None]
+    w[5] = 0
+    q, scale = quantize_fp8(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (1, 48)
+    assert torch.equal(q.float().abs().amax(dim=1)[[0, 1, 2]], torch.full((3,), FP8_MAX))
+    assert scale[0, 5] == 1 and not q[5].float().any()  # a zero row: scale 1, values 0
+    back = q.float() * scale.t()
+    # e4m3: 3 mantissa bits, and a step of 2**-9 (of the row's scale) among its subnormals
+    assert ((back - w).abs() <= w.abs() * 2**-4 + scale.t() * 2**-10).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_products_match_the_rounded_reference_and_rows_stand_alone(dtype):
+    torch.manual_seed(0)
+    weight = torch.randn(96, 160) * torch.rand(96, 1) * 3
+    x = (torch.randn(9, 160) * torch.rand(9, 1) * 5).to(dtype)
+    q, scale = quantize_fp8(weight)
+    fp8 = Fp8Weight(q, scale, None)
+    got = fp8.matmul(None, x, True)
+    want = reference(x, weight)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    assert fp8.matmul(None, x, False).dtype == dtype
+    # A row's scale is its own, but _scaled_mm (oneDNN here, cuBLASLt on CUDA) may sum in an
+    # order of the batch's shape: the caveat docs/operations.md gives for cuBLAS.
+    for i in (0, 4, 8):
+        alone = fp8.matmul(None, x[i : i + 1], True)
+        assert torch.allclose(alone, got[i : i + 1], rtol=1e-5, atol=1e-5 * got.abs().max().item())
+    exact = x.float() @ weight.t()
+    assert (got - exact).norm() / exact.norm() < 0.06
+
+
+def test_a_model_quantizes_what_fits_and_serves_it(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")  # plain linears, as on CUDA
+    model = build_model(ModelSource(tiny_llama_dir), torch.float32, torch.device("cpu"))
+    x = torch.randn(3, 64)
+    before = model.layers[0].gate_up_proj(x)
+    head_before = model.lm_head(x, float_out=True)
+    assert quantize_linears_fp8(model) == 13  # 3 layers x 4, and the tied lm_head
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert all(isinstance(m.quantized, Fp8Weight) and m.weight is None for m in linears)
+    assert model.embed_tokens.weight is not None  # looked up at full width
+    after = model.layers[0].gate_up_proj(x)
+    assert (after - before).norm() / before.norm() < 0.06
+    head = model.lm_head(x, float_out=True)
+    assert head.dtype == torch.float32 and (head - head_before).norm() / head_before.norm() < 0.06
+
+
+def test_fp8_is_refused_where_it_cannot_run(tiny_llama_dir):
+    with pytest.raises(ValueError, match="compute capability 8.9"):
+        EngineConfig(quantization="fp8", device="cpu")
+    with pytest.raises(ValueError, match="compute capability 8.9"):  # auto, with no GPU
+        EngineConfig(quantization="fp8").resolve(cuda=False)
+    EngineConfig(quantization="fp8", device="cuda")  # taken, for a GPU to judge
+    with pytest.raises(ValueError, match="CPU only"):
+        EngineConfig(quantization="int8", device="cuda:1")
+    assert "int8" in fp8_unavailable(torch.device("cpu"))
+    with pytest.raises(ValueError, match="compute capability 8.9"):
+        build_model(
+            ModelSource(tiny_llama_dir), torch.float32, torch.device("cpu"), quantization="fp8"
+        )
