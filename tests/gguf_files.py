@@ -41,12 +41,13 @@ def write_gguf(
     qtype_name: str,
     types: dict[str, str] | None = None,
 ) -> None:
-    """A llama GGUF as llama.cpp writes one: q/k rows permuted for its interleaved RoPE,
-    matrices in `qtype_name` (or, by HF name, in `types`), vectors in F32."""
+    """A GGUF of `cfg`'s architecture (llama or qwen2) as llama.cpp writes one: a llama's q/k
+    rows permuted for its interleaved RoPE, matrices in `qtype_name` (or, by HF name, in
+    `types`), vectors in F32."""
     import gguf
     import numpy as np
 
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), cfg.architecture)
     w.add_vocab_size(cfg.vocab_size)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -59,7 +60,7 @@ def write_gguf(
     for name, t in tensors.items():
         a = t.float().numpy()
         for proj, n in ((".q_proj.", cfg.num_heads), (".k_proj.", cfg.num_kv_heads)):
-            if proj in name:
+            if proj in name and cfg.architecture == "llama":
                 a = a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2)
                 a = np.ascontiguousarray(a).reshape(t.shape)
         qtype = gguf.GGMLQuantizationType[(types or {}).get(name, qtype_name)]

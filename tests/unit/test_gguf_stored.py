@@ -33,10 +33,13 @@ def tiny_gguf(folder, tmp_path, qtype: str, types: dict[str, str] | None = None)
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
 def test_stored_blocks_are_the_weights_the_loader_dequantizes(tiny_llama_dir, tmp_path, qtype):
     path = tiny_gguf(tiny_llama_dir, tmp_path, qtype)
+    _, plain = open_gguf(path)
+    dense = dict(plain)
     _, stream = open_gguf(path, stored=True)
     with_blocks = set()
-    for name, dense, *blocks in stream:
+    for name, tensor, *blocks in stream:
         if not blocks:
+            assert torch.equal(tensor, dense[name])
             continue
         b = blocks[0]
         with_blocks.add(name)
@@ -44,7 +47,9 @@ def test_stored_blocks_are_the_weights_the_loader_dequantizes(tiny_llama_dir, tm
         w = b.d.float().repeat_interleave(32, 1) * b.q.float()
         if b.m is not None:
             w += b.m.float().repeat_interleave(32, 1)
-        assert torch.equal(w, dense), name  # q and k rows unpermuted as the dense ones are
+        assert torch.equal(w, dense[name]), name  # q and k rows unpermuted as the dense ones
+        # no dense copy of a weight served as stored, but for the looked-up embedding
+        assert (tensor is None) == (name != "model.embed_tokens.weight"), name
     layer = {n.split(".", 3)[3] for n in with_blocks if n.startswith("model.layers.0.")}
     assert layer == {
         f"{m}.weight"
@@ -81,6 +86,22 @@ def test_every_linear_is_served_as_stored(tiny_llama_dir, tmp_path, qtype, caplo
         # the same weights; the activations' int8 rounding alone
         assert (got - want).norm() / want.norm() < 0.02
         assert torch.equal(b(x[2:3], float_out=True), got[2:3])  # rows stand alone
+
+
+@needs_kernels
+@pytest.mark.parametrize("tiny_model_dir", ["qwen2"], indirect=True)
+def test_biases_are_added_after_the_stored_product(tiny_model_dir, tmp_path):
+    """Qwen2's q, k and v have biases: the fused layer is served as stored, its bias after."""
+    cfg = read_model_config(ModelSource(tiny_model_dir))
+    assert cfg.qkv_bias and cfg.architecture == "qwen2"
+    path = tiny_gguf(tiny_model_dir, tmp_path, "Q8_0")
+    full = build_model(ModelSource(path), torch.float32, CPU)
+    stored = build_model(ModelSource(path), torch.float32, CPU, quantization="gguf")
+    layer = stored.layers[0].qkv_proj
+    assert isinstance(layer.quantized, BlockWeight) and layer.quantized.bias is not None
+    x = torch.randn(5, cfg.hidden_size)
+    want, got = full.layers[0].qkv_proj(x), layer(x)
+    assert (got - want).norm() / want.norm() < 0.02
 
 
 @needs_kernels

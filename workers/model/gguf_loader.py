@@ -8,10 +8,14 @@ memory map, whose touched pages would stay resident until the reader goes) and d
 into one float32 array: reading holds that array plus a slice's worth, whatever the quant type
 (`gguf`'s own whole-tensor dequantize holds about twice the output).
 
-With `stored=True` (quantization: gguf), a linear weight in Q8_0, Q4_0 or Q4_1 also comes
-with its blocks as stored (`StoredBlocks`: the integer values, and each 32 inputs' scale and
-minimum), for Tandem's int8 kernels to serve as they are; a linear weight in any other
-quantized type is refused, naming it.
+With `stored=True` (quantization: gguf), a linear weight in Q8_0, Q4_0 or Q4_1 comes with its
+blocks as stored (`StoredBlocks`: the integer values, and each 32 inputs' scale and minimum),
+for Tandem's int8 kernels to serve as they are; a linear weight in any other quantized type is
+refused, naming it. Which layers are served so is decided from the tensor table before any
+weight is read (`served_as_stored`): every part of a fused layer (q, k, v; gate, up) stored,
+in one width (8 or 4 bits), its outputs a multiple of 32. Those weights come without a dense
+copy, so a load holds the packed model and one tensor, not the dequantized model; the rest
+(and the token embedding, which is looked up) come dense as before.
 """
 
 from __future__ import annotations
@@ -152,9 +156,9 @@ def _is_linear(gguf_name: str, cfg: ModelConfig) -> bool:
 
 def open_gguf(path: Path, stored: bool = False) -> tuple[ModelConfig, Iterator[tuple]]:
     """The config, and a lazy stream of (HF name, float32 host tensor); with `stored`, a
-    linear weight in one of STORED_TYPES comes as (name, tensor, StoredBlocks). Raises
-    CheckpointError, before any tensor is read, for a linear weight in any other quantized
-    type when `stored`."""
+    linear weight of a layer `served_as_stored` comes as (name, None, StoredBlocks), or, the
+    token embedding, as (name, tensor, StoredBlocks). Raises CheckpointError, before any
+    tensor is read, for a linear weight in any other quantized type when `stored`."""
     reader = _reader(path)
     cfg = read_gguf_config(path, reader)
     if stored:
@@ -166,10 +170,39 @@ def open_gguf(path: Path, stored: bool = False) -> tuple[ModelConfig, Iterator[t
                     f"{', '.join(STORED_TYPES)} as stored (and F32, F16, BF16 at full width); "
                     "quantization='none' dequantizes every type at load"
                 )
-    return cfg, _stream(path, reader, cfg, stored)
+    served = served_as_stored(reader.tensors, cfg) if stored else set()
+    return cfg, _stream(path, reader, cfg, served)
 
 
-def _stream(path: Path, reader, cfg: ModelConfig, stored: bool):
+# The GGUF tensors that make one linear layer of Tandem's model, by their kind in a block.
+_FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up"}
+_FUSED |= {"ffn_up": "gate_up"}
+
+
+def served_as_stored(tensors, cfg: ModelConfig) -> set[str]:
+    """The GGUF names of the linear weights whose layers can be served as stored: every part
+    of the layer in STORED_TYPES, all 8-bit or all 4-bit, each part's outputs a multiple of
+    32 (the kernel's blocks)."""
+    layers: dict[str, list] = {}
+    for t in tensors:
+        if not _is_linear(t.name, cfg):
+            continue
+        m = _BLOCK.match(t.name)
+        layer = f"{m[1]}.{_FUSED.get(m[2], m[2])}" if m else t.name
+        layers.setdefault(layer, []).append(t)
+    served = set()
+    for parts in layers.values():
+        kinds = [t.tensor_type.name for t in parts]
+        if (
+            all(k in STORED_TYPES for k in kinds)
+            and len({k == "Q8_0" for k in kinds}) == 1
+            and all(int(t.shape[-1]) % 32 == 0 for t in parts)
+        ):
+            served.update(t.name for t in parts)
+    return served
+
+
+def _stream(path: Path, reader, cfg: ModelConfig, served: set[str]):
     with open(path, "rb") as f:
         for t in reader.tensors:
             if (name := _hf_name(t.name)) is None:
@@ -179,9 +212,11 @@ def _stream(path: Path, reader, cfg: ModelConfig, stored: bool):
                 n_head = cfg.num_heads
             elif cfg.architecture == "llama" and ".attn_k." in t.name:
                 n_head = cfg.num_kv_heads
-            if stored and _is_linear(t.name, cfg) and t.tensor_type.name in STORED_TYPES:
+            if t.name in served:
                 blocks = _read_blocks(f, path, t, n_head)
-                yield name, torch.from_numpy(_dequantize(f, path, t, n_head)), blocks
+                looked_up = t.name == "token_embd.weight"  # the embedding, and the tied lm_head
+                dense = torch.from_numpy(_dequantize(f, path, t, n_head)) if looked_up else None
+                yield name, dense, blocks
                 continue
             # Yielded with no local bound to it: the consumer's drop frees it.
             yield name, torch.from_numpy(_dequantize(f, path, t, n_head))

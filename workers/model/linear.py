@@ -27,6 +27,7 @@ oneDNN, or with TANDEM_CPU_KERNELS=0, layers stay plain `nn.Linear` and the engi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -66,11 +67,13 @@ class BlockWeight:
     four_bit: bool
     types: tuple[str, ...]  # the GGUF types it came in (q, k and v may differ)
     portable: bool
+    bias: torch.Tensor | None = None  # the layer's own (Qwen2's q, k and v), added after
 
     def matmul(self, kernels, rows: torch.Tensor, float_out: bool) -> torch.Tensor:
-        return kernels.linear_blocks(
+        out = kernels.linear_blocks(
             rows, self.packed, self.d, self.m, self.four_bit, float_out, self.portable
         )
+        return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
 def _block_scales(s: torch.Tensor) -> torch.Tensor:
@@ -368,10 +371,10 @@ def quantize_linears(model: nn.Module, device: torch.device) -> int:
 
 
 def serve_stored(model: nn.Module, stored: dict, device: torch.device) -> int:
-    """Every linear layer of `model` whose checkpoint tensors all came as stored GGUF blocks
-    (`stored`: BlockWeight by HF name less `model.`, from `pack_stored`), of one width (8 or 4
-    bits), served by them as they are; returns how many. The rest keep the model's dtype,
-    for `pack_linears`, with a log line saying which and why."""
+    """Every linear layer of `model` whose checkpoint tensors came as stored GGUF blocks
+    (`stored`: BlockWeight by HF name less `model.`, from `pack_stored`; all of a layer's
+    parts or none, in one width), served by them as they are; returns how many. The rest keep
+    the model's dtype, for `pack_linears`, with a log line saying which and why."""
     why_not = int8_unavailable(device, "gguf")
     if why_not is not None:
         raise ValueError(why_not)
@@ -379,10 +382,13 @@ def serve_stored(model: nn.Module, stored: dict, device: torch.device) -> int:
     done, left = 0, []
     for module, names in model.linear_sources():
         parts = [stored.get(n) for n in names]
-        if any(p is None for p in parts) or len({p.four_bit for p in parts}) > 1:
+        if all(p is None for p in parts):
             left.append(names[0].rsplit(".", 2)[0] if len(names) > 1 else names[0])
             continue
-        module.quantized = _concat(parts)
+        if any(p is None for p in parts) or len({p.four_bit for p in parts}) > 1:
+            # gguf_loader.served_as_stored sends a layer's parts all stored or all dense
+            raise ValueError(f"{', '.join(names)}: only some came as stored blocks")
+        module.quantized = dataclasses.replace(_concat(parts), bias=module.bias)
         module.packed, module.kernels = module.quantized.packed, kernels
         module.weight = None  # the dense copy goes, unless shared (a tied lm_head's embedding)
         done += 1

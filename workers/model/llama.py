@@ -236,6 +236,8 @@ class LlamaForCausalLM(nn.Module):
         parameter's dtype and device and copied in (q/k/v and gate/up into their rows of the
         fused weights), then dropped, so a stream is held one tensor at a time. Names the model
         does not use are skipped; a missing or misshapen tensor is a CheckpointError naming it.
+        A tensor given as None is served from elsewhere (a GGUF weight's stored blocks,
+        loader.py): its rows are left unfilled, for the caller to replace the weight.
         """
         slots = self._slots()
         filled: set[str] = set()
@@ -244,7 +246,8 @@ class LlamaForCausalLM(nn.Module):
             for full_name, value in pairs:
                 name = full_name.removeprefix("model.")
                 if name in slots:
-                    _copy_into(slots[name].view(), value, name, source)
+                    if value is not None:  # None: served from elsewhere (`StoredBlocks`)
+                        _copy_into(slots[name].view(), value, name, source)
                     filled.add(name)
                 del value  # before the stream reads the next one
         for name in slots:

@@ -169,13 +169,16 @@ def assemble_model(
     return model
 
 
-def _keeping_blocks(tensors: Iterable[tuple], stored: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def _keeping_blocks(tensors: Iterable[tuple], stored: dict) -> Iterator[tuple]:
     """The (name, tensor) pairs of a stored-blocks stream, each weight's blocks packed for the
     int8 kernels into `stored` (by name less `model.`) as it passes: only the packed copy is
-    kept, a quarter to a half of the dense one."""
+    kept, a quarter to a half of the dense one (whose tensor is None: never made)."""
     kernels = cpu_kernels()
     portable = int8_kernel(kernels) == "portable"
     for name, tensor, *blocks in tensors:
-        if blocks and (packed := pack_stored(blocks[0], kernels, portable)) is not None:
+        if blocks:
+            packed = pack_stored(blocks[0], kernels, portable)
+            if packed is None:  # served_as_stored takes no such layer
+                raise CheckpointError(f"tensor {name!r} cannot be served as stored")
             stored[name.removeprefix("model.")] = packed
         yield name, tensor
