@@ -128,6 +128,8 @@ def test_unservable_types_and_checkpoints_are_refused_by_name(tiny_llama_dir, tm
     build_model(ModelSource(path), torch.float32, CPU)  # dequantized at load, as before
     with pytest.raises(CheckpointError, match="HF folder"):
         build_model(ModelSource(tiny_llama_dir), torch.float32, CPU, quantization="gguf")
+    with pytest.raises(ValueError, match="is an HF folder"):  # and when the config loads
+        EngineConfig(quantization="gguf", model=str(tiny_llama_dir))
     with pytest.raises(ValueError, match="CPU only"):
         EngineConfig(quantization="gguf", device="cuda")
     with pytest.raises(ValueError, match="CPU only"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from workers.engine.orders import Side, order_names
 from workers.model.flash_rules import ATTENTION_BACKENDS, FLASH_PAGE_MULTIPLE, flash_refusal
@@ -209,6 +210,12 @@ class EngineConfig:
             raise ValueError(
                 f"quantization={self.quantization!r} runs on the CPU only (device='cpu'; on "
                 "CUDA, quantization='fp8' or 'none')"
+            )
+        if self.quantization == "gguf" and self.model and Path(self.model).expanduser().is_dir():
+            raise ValueError(
+                f"quantization='gguf' serves a GGUF file's weights as stored; model="
+                f"{self.model!r} is an HF folder (quantization='int8' quantizes any "
+                "checkpoint at load)"
             )
         if self.quantization == "fp8" and self.device == "cpu":
             raise ValueError(
