@@ -3,6 +3,8 @@ through torch._scaled_mm. It serves on CUDA GPUs of compute capability 8.9 or ne
 CPU build has a reference _scaled_mm, so the arithmetic, the model-level quantization and the
 refusals are checked here, on the CPU."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -91,3 +93,112 @@ def test_fp8_is_refused_where_it_cannot_run(tiny_llama_dir):
         build_model(
             ModelSource(tiny_llama_dir), torch.float32, torch.device("cpu"), quantization="fp8"
         )
+
+
+# -- FP8 checkpoints: read as their real values, and quantized back to themselves ---------------
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def fp8_checkpoint(src, dest, method: str, block: int | None = None):
+    """The tiny model's folder as an FP8 checkpoint of `method`: each linear weight in e4m3,
+    scaled per output channel (compressed-tensors) or per block (transformers' fp8, which keeps
+    the scale's inverse name), with a static activation scale beside it as such files have.
+    Returns {weight name: the values the checkpoint holds, dequantized}."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dest.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dest / f.name)
+    tensors, held = load_file(str(src / "model.safetensors")), {}
+    out = {}
+    for name, w in tensors.items():
+        if not any(f".{p}." in name for p in _LINEARS):
+            out[name] = w
+            continue
+        w = w.float()
+        if block is None:
+            q, scale = quantize_fp8(w)
+            out[name + "_scale"] = scale.t().contiguous()  # [N, 1]
+            held[name] = q.float() * scale.t()
+        else:
+            n, k = w.shape
+            tiles = w.reshape(n // block, block, k // block, block)
+            scale = tiles.abs().amax(dim=(1, 3)) / FP8_MAX  # [N / b, K / b]
+            full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+            q = (w / full).to(torch.float8_e4m3fn)
+            out[name + "_scale_inv"] = scale
+            held[name] = q.float() * full
+        out[name] = q
+        out[name.removesuffix("weight") + "input_scale"] = torch.ones(1)
+    save_file(out, str(dest / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    if method == "fp8":
+        cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block]}
+    else:
+        group = {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}
+        cfg["quantization_config"] = {
+            "quant_method": method,
+            "format": "float-quantized",
+            "config_groups": {"group_0": group},
+        }
+    (dest / "config.json").write_text(json.dumps(cfg))
+    return held
+
+
+@pytest.mark.parametrize("method,block", [("compressed-tensors", None), ("fp8", 32)])
+def test_fp8_checkpoints_load_as_their_real_values(tiny_llama_dir, tmp_path, method, block):
+    from workers.model.loader import read_checkpoint
+
+    held = fp8_checkpoint(Path(tiny_llama_dir), tmp_path / "fp8", method, block)
+    _, tensors = read_checkpoint(ModelSource(tmp_path / "fp8"))
+    assert not any(n.endswith(("_scale", "_scale_inv", "input_scale")) for n in tensors)
+    for name, values in held.items():
+        assert tensors[name].dtype == torch.float32 and torch.equal(tensors[name], values), name
+
+
+def test_fp8_weights_quantize_back_to_the_checkpoint(tiny_llama_dir, tmp_path, monkeypatch):
+    """Per-channel scales at the row's largest magnitude: quantization fp8 of the loaded bf16
+    model gives back the checkpoint's own e4m3 values, q, k and v fused."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
+    fp8_checkpoint(Path(tiny_llama_dir), tmp_path / "fp8", "compressed-tensors")
+    stored = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    model = build_model(ModelSource(tmp_path / "fp8"), torch.bfloat16, torch.device("cpu"))
+    quantize_linears_fp8(model)
+    p = "model.layers.1."
+    want = torch.cat([stored[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"])
+    got = model.layers[1].qkv_proj.quantized.q
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(
+        model.layers[1].down_proj.quantized.q.view(torch.uint8),
+        stored[f"{p}mlp.down_proj.weight"].view(torch.uint8),
+    )
+
+
+def test_checkpoints_tandem_cannot_read_are_refused_by_name(tiny_llama_dir, tmp_path):
+    import json
+    import shutil
+
+    from workers.model.config import CheckpointError
+    from workers.model.loader import read_checkpoint
+
+    gptq = tmp_path / "gptq"
+    shutil.copytree(tiny_llama_dir, gptq)
+    cfg = json.loads((gptq / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (gptq / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="quant_method 'gptq' is not supported"):
+        read_checkpoint(ModelSource(gptq))
+    # fp8 weights with no quantization_config to say where their scales are
+    bare = tmp_path / "bare"
+    fp8_checkpoint(Path(tiny_llama_dir), bare, "compressed-tensors")
+    cfg = json.loads((bare / "config.json").read_text())
+    del cfg["quantization_config"]
+    (bare / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="no scale beside it"):
+        read_checkpoint(ModelSource(bare))
