@@ -193,8 +193,8 @@ def export_gguf(qtype: str, out: Path) -> Path:
         writer.add_key_value(field.name, value, kind, sub_type=sub)
     for t in reader.tensors:
         shape = tuple(reversed(t.shape.tolist()))
-        if t.tensor_type == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(t.name, np.asarray(t.data).reshape(shape))
+        if len(shape) < 2:  # vectors (norms, biases) as stored
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
             continue
         values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
         if t.tensor_type != target:

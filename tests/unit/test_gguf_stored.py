@@ -44,7 +44,8 @@ def test_stored_blocks_are_the_weights_the_loader_dequantizes(tiny_llama_dir, tm
         b = blocks[0]
         with_blocks.add(name)
         assert b.type_name == qtype and b.four_bit == (qtype != "Q8_0")
-        w = b.d.float().repeat_interleave(32, 1) * b.q.float()
+        q = b.q.float() - (8 if qtype == "Q4_0" else 0)
+        w = b.d.float().repeat_interleave(32, 1) * q
         if b.m is not None:
             w += b.m.float().repeat_interleave(32, 1)
         assert torch.equal(w, dense[name]), name  # q and k rows unpermuted as the dense ones
@@ -67,17 +68,21 @@ def test_stored_blocks_are_the_weights_the_loader_dequantizes(tiny_llama_dir, tm
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
-def test_every_linear_is_served_as_stored(tiny_llama_dir, tmp_path, qtype, caplog):
-    path = tiny_gguf(tiny_llama_dir, tmp_path, qtype)
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_every_linear_is_served_as_stored(tiny_model_dir, tmp_path, qtype, caplog):
+    """Tied (llama, qwen2) and untied (llama3, its lm_head from output.weight) models, q and
+    k unpermuted (llama's): every layer serves the file's blocks, near the dense weights."""
+    cfg = read_model_config(ModelSource(tiny_model_dir))
+    path = tiny_gguf(tiny_model_dir, tmp_path, qtype)
     full = build_model(ModelSource(path), torch.float32, CPU)
     with caplog.at_level(logging.INFO, logger="workers.model.linear"):
         stored = build_model(ModelSource(path), torch.float32, CPU, quantization="gguf")
-    assert f"13 of 13 linear layers served as stored in the GGUF ({qtype}" in caplog.text
+    n = 4 * cfg.num_layers + 1
+    assert f"{n} of {n} linear layers served as stored in the GGUF ({qtype}" in caplog.text
     linears = [m for m in stored.modules() if isinstance(m, PackedLinear)]
     assert all(isinstance(m.quantized, BlockWeight) and m.weight is None for m in linears)
     assert stored.embed_tokens.weight is not None  # looked up at full width
-    x = torch.randn(7, 64)
+    x = torch.randn(7, cfg.hidden_size)
     for a, b in [
         (full.layers[1].qkv_proj, stored.layers[1].qkv_proj),
         (full.lm_head, stored.lm_head),
@@ -117,6 +122,23 @@ def test_a_layer_whose_parts_differ_in_width_keeps_the_model_dtype(
     assert "layers.0.self_attn" in caplog.text
     assert model.layers[0].qkv_proj.quantized is None  # packed at fp32 as usual
     assert isinstance(model.layers[0].o_proj.quantized, BlockWeight)
+    # its weights came dense: the layer computes what the dequantizing load's does
+    full = build_model(ModelSource(path), torch.float32, CPU)
+    x = torch.randn(5, 64)
+    assert torch.equal(model.layers[0].qkv_proj(x), full.layers[0].qkv_proj(x))
+
+
+@needs_kernels
+def test_an_lm_head_of_another_type_is_dequantized_not_refused(tiny_llama_dir, tmp_path, caplog):
+    """llama.cpp's quantizer writes the lm_head in Q6_K beside Q4_0 layers: such a file is
+    served, its lm_head at the model's dtype."""
+    path = tiny_gguf(tiny_llama_dir, tmp_path, "Q4_0", {"model.embed_tokens.weight": "Q5_0"})
+    with caplog.at_level(logging.INFO, logger="workers.model.linear"):
+        model = build_model(ModelSource(path), torch.float32, CPU, quantization="gguf")
+    assert "12 of 13 linear layers served as stored" in caplog.text
+    assert "embed_tokens.weight" in caplog.text
+    assert model.lm_head.quantized is None
+    assert isinstance(model.layers[2].down_proj.quantized, BlockWeight)
 
 
 def test_unservable_types_and_checkpoints_are_refused_by_name(tiny_llama_dir, tmp_path):

@@ -64,13 +64,13 @@ def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
 
 
 def block_reference(x, q, d, m=None) -> torch.Tensor:
-    """A GGUF block weight (w = d q, or d q + m, per output and 32 inputs): activations in
-    groups of 32; per group, t = sum * d (Q8_0) or fma(sum, d, m * sum(x_q)), then
-    acc = fma(t, s_x, acc)."""
+    """A GGUF block weight (w = d q for Q8_0 and for Q4_0's q - 8, d q + m for Q4_1, per
+    output and 32 inputs): activations in groups of 32; per group, t = sum * d or
+    fma(sum, d, m * sum(x_q)), then acc = fma(t, s_x, acc)."""
     k = x.shape[1]
     xq, group_scale = quantized_rows(x, 32)
     qg = q.double().view(q.shape[0], k // 32, 32)
-    sums = torch.einsum("mgk,ngk->mgn", xq.double(), qg).float()
+    sums = torch.einsum("mgk,ngk->mgn", xq.double(), qg).float()  # exact integers
     xsum = xq.sum(dim=2)  # [m, groups], exact
     acc = torch.zeros(x.shape[0], q.shape[0])
     for i in range(k // 32):
@@ -169,31 +169,41 @@ def test_bad_arguments_are_refused_with_the_reason():
         KERNELS.linear_int8(torch.randn(2, 64), w.view(1, 16, 64, 4), scale, group, False, True)
 
 
-def gguf_block_weight(n: int, k: int, four_bit: bool):
-    """A random block weight as GGUF stores one: (q, d, m, packed); m None for Q8_0."""
-    d = (torch.rand(n, k // 32) * 0.02 + 1e-4).half()
-    if four_bit:
-        q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-        m = (torch.randn(n, k // 32) * 0.1).half()
-        return q, d, m, KERNELS.pack_linear_int4(q)
-    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-    return q, d, None, KERNELS.pack_linear_int8(q)
+def gguf_block_weight(n: int, k: int, kind: str):
+    """A random block weight as GGUF stores one: (values as the reference multiplies them,
+    d, m, packed); m None but for Q4_1. Scales reach fp16's subnormals, and Q8_0's values its
+    -128."""
+    d = (torch.rand(n, k // 32) * 0.02).half()
+    d[0, 0] = 3e-6  # an fp16 subnormal
+    if kind == "Q8_0":
+        q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+        return q, d, None, KERNELS.pack_linear_int8(q)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    if kind == "Q4_0":
+        return q.to(torch.int16) - 8, d, None, KERNELS.pack_linear_int4(q)
+    m = (torch.randn(n, k // 32) * 0.1).half()
+    return q, d, m, KERNELS.pack_linear_int4(q)
 
 
-def run_blocks(x, d, m, packed, float_out=True, portable=True):
+BLOCK_KINDS = ["Q8_0", "Q4_0", "Q4_1"]
+
+
+def run_blocks(x, d, m, packed, float_out=True, portable=True, four_bit=None):
     scales_m = block_scales(m) if m is not None else torch.empty(0, dtype=torch.half)
+    if four_bit is None:
+        four_bit = packed.shape[1] * 8 == x.shape[1]
     return KERNELS.linear_blocks(
-        x, packed, block_scales(d), scales_m, m is not None, float_out, portable
+        x, packed, block_scales(d), scales_m, four_bit, float_out, portable
     )
 
 
 @needs_kernels
-@pytest.mark.parametrize("four_bit", [False, True], ids=["q8_0", "q4"])
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", [(32, 32), (96, 160), (576, 1536)])
-def test_gguf_blocks_equal_the_exact_reference_on_every_path(n, k, dtype, four_bit):
+def test_gguf_blocks_equal_the_exact_reference_on_every_path(n, k, dtype, kind):
     torch.manual_seed(n + k)
-    q, d, m, w = gguf_block_weight(n, k, four_bit)
+    q, d, m, w = gguf_block_weight(n, k, kind)
     x = (torch.randn(67, k) * torch.rand(67, 1) * 4).to(dtype)
     x[3, 32:64] = 0  # a zero group
     want = block_reference(x, q, d, m)
@@ -210,11 +220,11 @@ def test_gguf_blocks_equal_the_exact_reference_on_every_path(n, k, dtype, four_b
 
 
 @needs_kernels
-@pytest.mark.parametrize("four_bit", [False, True], ids=["q8_0", "q4"])
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
 @pytest.mark.parametrize("portable", PATHS)
-def test_gguf_block_rows_do_not_depend_on_the_batch(portable, four_bit):
+def test_gguf_block_rows_do_not_depend_on_the_batch(portable, kind):
     torch.manual_seed(2)
-    _, d, m, w = gguf_block_weight(192, 576, four_bit)
+    _, d, m, w = gguf_block_weight(192, 576, kind)
     x = torch.randn(40, 576).to(torch.bfloat16)
     full = run_blocks(x, d, m, w, False, portable)
     for rows in (1, 5, 6, 7, 13):
@@ -224,22 +234,22 @@ def test_gguf_block_rows_do_not_depend_on_the_batch(portable, four_bit):
 
 @needs_kernels
 def test_gguf_block_arguments_are_checked():
-    q, d, m, w = gguf_block_weight(64, 64, True)
+    q, d, m, w = gguf_block_weight(64, 64, "Q4_1")
     with pytest.raises(RuntimeError, match="0..15"):
         KERNELS.pack_linear_int4(torch.full((32, 32), 16, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="multiples of 32"):
         KERNELS.pack_linear_int4(torch.zeros(32, 48, dtype=torch.uint8))
-    with pytest.raises(RuntimeError, match="m must be shaped as d"):
+    with pytest.raises(RuntimeError, match="m must be shaped as d, or empty"):
         run_blocks(torch.randn(2, 64), d, m[:32], w)
     with pytest.raises(RuntimeError, match="d must be"):
         run_blocks(torch.randn(2, 64), d[:, :1].contiguous(), m, w)
-    q8, d8, _, w8 = gguf_block_weight(64, 64, False)
+    q8, d8, _, w8 = gguf_block_weight(64, 64, "Q8_0")
     with pytest.raises(RuntimeError, match="Q8_0 takes no minimum"):
         KERNELS.linear_blocks(
             torch.randn(2, 64), w8, block_scales(d8), block_scales(d8), False, False, True
         )
     with pytest.raises(RuntimeError, match="does not match"):  # a 4-bit weight read as Q8_0
-        run_blocks(torch.randn(2, 64), d, None, w)
+        run_blocks(torch.randn(2, 64), d, None, w, four_bit=False)
 
 
 def test_weight_quantization_per_output_channel():

@@ -13,7 +13,7 @@ blocks as stored (`StoredBlocks`: the integer values, and each 32 inputs' scale 
 for Tandem's int8 kernels to serve as they are; a linear weight in any other quantized type is
 refused, naming it. Which layers are served so is decided from the tensor table before any
 weight is read (`served_as_stored`): every part of a fused layer (q, k, v; gate, up) stored,
-in one width (8 or 4 bits), its outputs a multiple of 32. Those weights come without a dense
+in one type, its outputs a multiple of 32. Those weights come without a dense
 copy, so a load holds the packed model and one tensor, not the dequantized model; the rest
 (and the token embedding, which is looked up) come dense as before.
 """
@@ -53,6 +53,7 @@ _LINEAR_KINDS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_u
 # block of 32 values.
 STORED_TYPES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 _FULL_WIDTH = {"F32", "F16", "BF16"}
+_SERVABLE = set(STORED_TYPES) | _FULL_WIDTH
 _SLICE = 1 << 20  # float32 elements dequantized at a time: bounds the transient (4 MiB here)
 
 
@@ -132,8 +133,8 @@ def _hf_name(gguf_name: str) -> str | None:
 @dataclass(frozen=True)
 class StoredBlocks:
     """A GGUF linear weight [N, K] as stored, in HF row order: w[n, k] = d[n, k // 32] *
-    q[n, k] + m[n, k // 32] (Q4_0's m is -8 d; Q8_0 has none), q int8 for Q8_0, uint8 in 0..15
-    for the 4-bit types; d and m fp16 [N, K / 32]."""
+    q[n, k] for Q8_0 (q int8), d * (q - 8) for Q4_0 and d * q + m[n, k // 32] for Q4_1 (q
+    uint8 in 0..15); d and m fp16 [N, K / 32], m None but for Q4_1."""
 
     type_name: str
     q: torch.Tensor
@@ -158,13 +159,15 @@ def open_gguf(path: Path, stored: bool = False) -> tuple[ModelConfig, Iterator[t
     """The config, and a lazy stream of (HF name, float32 host tensor); with `stored`, a
     linear weight of a layer `served_as_stored` comes as (name, None, StoredBlocks), or, the
     token embedding, as (name, tensor, StoredBlocks). Raises CheckpointError, before any
-    tensor is read, for a linear weight in any other quantized type when `stored`."""
+    tensor is read, when `stored` and a layer's linear weight is in any other quantized type.
+    The lm_head (output.weight, or the tied embedding) may be: llama.cpp's quantizer writes it
+    in Q6_K beside Q4_0 layers, and it is then dequantized at load (the log says so)."""
     reader = _reader(path)
     cfg = read_gguf_config(path, reader)
     if stored:
         for t in reader.tensors:
             kind = t.tensor_type.name
-            if _is_linear(t.name, cfg) and kind not in STORED_TYPES and kind not in _FULL_WIDTH:
+            if _BLOCK.match(t.name) and _is_linear(t.name, cfg) and kind not in _SERVABLE:
                 raise CheckpointError(
                     f"{path}: tensor {t.name!r} is {kind}; quantization='gguf' serves "
                     f"{', '.join(STORED_TYPES)} as stored (and F32, F16, BF16 at full width); "
@@ -181,8 +184,8 @@ _FUSED |= {"ffn_up": "gate_up"}
 
 def served_as_stored(tensors, cfg: ModelConfig) -> set[str]:
     """The GGUF names of the linear weights whose layers can be served as stored: every part
-    of the layer in STORED_TYPES, all 8-bit or all 4-bit, each part's outputs a multiple of
-    32 (the kernel's blocks)."""
+    of the layer in one of STORED_TYPES, the same one, each part's outputs a multiple of 32
+    (the kernel's blocks)."""
     layers: dict[str, list] = {}
     for t in tensors:
         if not _is_linear(t.name, cfg):
@@ -192,10 +195,10 @@ def served_as_stored(tensors, cfg: ModelConfig) -> set[str]:
         layers.setdefault(layer, []).append(t)
     served = set()
     for parts in layers.values():
-        kinds = [t.tensor_type.name for t in parts]
+        kinds = {t.tensor_type.name for t in parts}
         if (
-            all(k in STORED_TYPES for k in kinds)
-            and len({k == "Q8_0" for k in kinds}) == 1
+            len(kinds) == 1
+            and kinds <= set(STORED_TYPES)
             and all(int(t.shape[-1]) % 32 == 0 for t in parts)
         ):
             served.update(t.name for t in parts)
@@ -244,8 +247,6 @@ def _read_blocks(f: BinaryIO, path: Path, t, n_head: int | None) -> StoredBlocks
         q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, cols)
         if kind == "Q4_1":
             m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
-        else:
-            m = (d * np.float16(-8)).astype(np.float16)  # exact: a power of two
     if n_head is not None:  # rows back in HF order, as _dequantize puts them
         order = _unpermute(np.arange(rows), n_head)
         q, d = q[order], d[order]

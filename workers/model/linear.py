@@ -58,12 +58,12 @@ class Int8Weight:
 
 @dataclass(frozen=True)
 class BlockWeight:
-    """A GGUF weight served as stored, packed for `linear_blocks`: w = d * q (Q8_0) or
-    d * q + m (the 4-bit types), d and m per output and 32 inputs."""
+    """A GGUF weight served as stored, packed for `linear_blocks`: w = d * q (Q8_0),
+    d * (q - 8) (Q4_0) or d * q + m (Q4_1), d and m per output and 32 inputs."""
 
     packed: torch.Tensor  # uint8: [N/32, K/4, 32, 4] (Q8_0, q + 128) or [N/32, K/8, 32, 4]
     d: torch.Tensor  # fp16 [N/32, K/32, 32]
-    m: torch.Tensor  # fp16 as d (4-bit), or empty (Q8_0)
+    m: torch.Tensor  # fp16 as d (Q4_1), or empty (Q8_0, Q4_0)
     four_bit: bool
     types: tuple[str, ...]  # the GGUF types it came in (q, k and v may differ)
     portable: bool
@@ -96,14 +96,15 @@ def pack_stored(blocks, kernels, portable: bool) -> BlockWeight | None:
 
 
 def _concat(parts: list[BlockWeight]) -> BlockWeight:
-    """Weights stacked along their outputs (q, k and v into one), blocks of 32 outputs apiece."""
+    """Weights of one type stacked along their outputs (q, k and v into one), blocks of 32
+    outputs apiece."""
     if len(parts) == 1:
         return parts[0]
     first = parts[0]
     return BlockWeight(
         torch.cat([p.packed for p in parts]),
         torch.cat([p.d for p in parts]),
-        torch.cat([p.m for p in parts]) if first.four_bit else first.m,
+        torch.cat([p.m for p in parts]) if first.m.numel() else first.m,
         first.four_bit,
         tuple(t for p in parts for t in p.types),
         first.portable,
@@ -159,11 +160,22 @@ def fp8_unavailable(device: torch.device) -> str | None:
             f"(torch {torch.__version__})"
         )
     major, minor = torch.cuda.get_device_capability(device)
+    name = torch.cuda.get_device_name(device)
     if (major, minor) < (8, 9):
-        name = torch.cuda.get_device_name(device)
         return (
             f"quantization='fp8' needs fp8 tensor cores (compute capability 8.9 or newer: Ada, "
             f"Hopper, Blackwell); {name} is {major}.{minor} (quantization='none')"
+        )
+    # Row-wise scaled GEMMs came to each architecture in its own torch release: one small
+    # product says whether this torch has them for this GPU, before a model is quantized.
+    try:
+        ones = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
+        scale = torch.ones(16, 1, device=device)
+        torch._scaled_mm(ones, ones.t(), scale_a=scale, scale_b=scale.t(), out_dtype=torch.bfloat16)
+    except RuntimeError as e:
+        return (
+            f"quantization='fp8': torch {torch.__version__} has no row-wise fp8 GEMM for {name} "
+            f"({major}.{minor}): {str(e).splitlines()[0]}"
         )
     return None
 
@@ -385,9 +397,10 @@ def serve_stored(model: nn.Module, stored: dict, device: torch.device) -> int:
         if all(p is None for p in parts):
             left.append(names[0].rsplit(".", 2)[0] if len(names) > 1 else names[0])
             continue
-        if any(p is None for p in parts) or len({p.four_bit for p in parts}) > 1:
-            # gguf_loader.served_as_stored sends a layer's parts all stored or all dense
-            raise ValueError(f"{', '.join(names)}: only some came as stored blocks")
+        if any(p is None for p in parts) or len({p.types for p in parts}) > 1:
+            # gguf_loader.served_as_stored sends a layer's parts all stored in one type, or
+            # all dense
+            raise ValueError(f"{', '.join(names)}: only some came as stored blocks, or mixed")
         module.quantized = dataclasses.replace(_concat(parts), bias=module.bias)
         module.packed, module.kernels = module.quantized.packed, kernels
         module.weight = None  # the dense copy goes, unless shared (a tied lm_head's embedding)

@@ -20,11 +20,12 @@
 //
 // GGUF's block formats are served as stored by the same loops (`linear_blocks`), with a weight
 // scale per 32 inputs instead of one per output: Q8_0 (w = d * q) in the layout above, and the
-// 4-bit Q4_0/Q4_1 (w = d * q + m, q in 0..15) two to a byte, [N/32][K/8][32][4] with byte t of
-// an output's four holding inputs 8k + t (low nibble) and 8k + 4 + t (high nibble): a quarter
-// of bf16's bytes. Activations then take a scale per 32 inputs, as llama.cpp's do, and each
-// group folds in as acc += s_x * (d * sum) for Q8_0, acc += s_x * (d * sum + m * sum(x_q))
-// for the 4-bit formats, whose values are unsigned already.
+// 4-bit Q4_0/Q4_1 (w = d * (q - 8) or d * q + m, q in 0..15) two to a byte, [N/32][K/8][32][4]
+// with byte t of an output's four holding inputs 8k + t (low nibble) and 8k + 4 + t (high
+// nibble): a quarter of bf16's bytes. Activations then take a scale per 32 inputs, as llama.cpp's do, and each
+// group folds in as acc += s_x * (d * (sum - 128 sum(x_q))) for Q8_0 (its values stored
+// unsigned, as int8's), acc += s_x * (d * (sum - 8 sum(x_q))) for Q4_0 (w = d (q - 8)), and
+// acc += s_x * (d * sum + m * sum(x_q)) for Q4_1.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -82,8 +83,15 @@ struct Rows {
 };
 
 // How a weight is stored: int8 with one scale per output (quantization: int8), or a GGUF block
-// format with a scale (and for Q4_1 a minimum) per output and 32 inputs.
-enum class Fmt { kChannel, kQ8, kQ4 };
+// format with a scale (and for Q4_1 a minimum) per output and 32 inputs: Q8_0, Q4_1 (kQ4),
+// Q4_0 (kQ4Sym).
+enum class Fmt { kChannel, kQ8, kQ4, kQ4Sym };
+
+constexpr bool four_bit(Fmt f) { return f == Fmt::kQ4 || f == Fmt::kQ4Sym; }
+
+// The integer offset each group's sum carries: q + 128 for the unsigned int8 layouts, q - 8
+// for Q4_0's values, none for Q4_1's (its minimum does that work).
+constexpr int32_t offset(Fmt f) { return f == Fmt::kQ4Sym ? 8 : f == Fmt::kQ4 ? 0 : 128; }
 
 // One packed block of 32 outputs' scales: `channel` [32] fp32 (kChannel), or `d` and `m`, fp16
 // bits [K/32][32] (kQ8 uses d alone).
@@ -93,7 +101,9 @@ struct Scales {
   const uint16_t* m;
 };
 
-inline float half_bits(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+inline float half_bits(uint16_t h) {
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
 
 template <typename InT>
 void quantize_group(const InT* x, int64_t G, int8_t* q, float* scale, int32_t* xsum) {
@@ -185,7 +195,7 @@ inline void store(OutT* out, int64_t n, float v) {
 // Weight bytes per packed block of 32 outputs over K inputs.
 template <Fmt F>
 constexpr int64_t block_bytes(int64_t K) {
-  return F == Fmt::kQ4 ? K * kBlockN / 2 : K * kBlockN;
+  return four_bit(F) ? K * kBlockN / 2 : K * kBlockN;
 }
 
 // Rows [m, m + mb) against one packed block of 32 outputs, in plain C++.
@@ -199,7 +209,7 @@ void block_portable(int mb, const Rows& r, int64_t m0, int64_t G, const uint8_t*
     float acc[kBlockN] = {};
     for (int64_t g = 0; g < r.groups; ++g) {
       int32_t sum[kBlockN] = {};
-      if constexpr (F == Fmt::kQ4) {
+      if constexpr (four_bit(F)) {
         for (int64_t ko = g * G / 8; ko < (g + 1) * G / 8; ++ko) {
           const uint8_t* wk = w + ko * kBlockN * 4;
           for (int64_t j = 0; j < kBlockN; ++j)
@@ -222,8 +232,9 @@ void block_portable(int mb, const Rows& r, int64_t m0, int64_t G, const uint8_t*
       for (int64_t j = 0; j < kBlockN; ++j) {
         if constexpr (F == Fmt::kChannel) {
           acc[j] = std::fma(static_cast<float>(sum[j] - 128 * xs), s, acc[j]);
-        } else if constexpr (F == Fmt::kQ8) {
-          const float t = static_cast<float>(sum[j] - 128 * xs) * half_bits(sw.d[g * kBlockN + j]);
+        } else if constexpr (F == Fmt::kQ8 || F == Fmt::kQ4Sym) {
+          const float t =
+              static_cast<float>(sum[j] - offset(F) * xs) * half_bits(sw.d[g * kBlockN + j]);
           acc[j] = std::fma(t, s, acc[j]);
         } else {
           const float t = std::fma(static_cast<float>(sum[j]), half_bits(sw.d[g * kBlockN + j]),
@@ -270,7 +281,7 @@ inline void tile(const Rows& r, int64_t m0, int64_t G, const uint8_t* w, const S
   for (int64_t g = 0; g < r.groups; ++g) {
     __m512i sum[MB][2];
     for (int m = 0; m < MB; ++m) sum[m][0] = sum[m][1] = _mm512_setzero_si512();
-    if constexpr (F == Fmt::kQ4) {
+    if constexpr (four_bit(F)) {
       const __m512i low = _mm512_set1_epi8(15);
       for (int64_t ko = g * G / 8; ko < (g + 1) * G / 8; ++ko) {
         const __m512i v0 = _mm512_loadu_si512(w + ko * kBlockN * 4);
@@ -310,8 +321,9 @@ inline void tile(const Rows& r, int64_t m0, int64_t G, const uint8_t* w, const S
           const __m512 xs = _mm512_set1_ps(static_cast<float>(r.xsum[i]));
           t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m][h]), d[h], _mm512_mul_ps(mn[h], xs));
         } else {
-          t = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[m][h], _mm512_set1_epi32(128 * r.xsum[i])));
-          if constexpr (F == Fmt::kQ8) t = _mm512_mul_ps(t, d[h]);
+          const __m512i c = _mm512_set1_epi32(offset(F) * r.xsum[i]);
+          t = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum[m][h], c));
+          if constexpr (F != Fmt::kChannel) t = _mm512_mul_ps(t, d[h]);
         }
         acc[m][h] = _mm512_fmadd_ps(t, s, acc[m][h]);
       }
@@ -453,7 +465,8 @@ torch::Tensor pack_linear_int8(torch::Tensor q) {
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           int64_t group, bool float_out, bool portable) {
   int8_linear::check_x(x);
-  TORCH_CHECK(packed.device().is_cpu() && scales.device().is_cpu(), "linear_int8 takes CPU tensors");
+  TORCH_CHECK(packed.device().is_cpu() && scales.device().is_cpu(),
+              "linear_int8 takes CPU tensors");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kByte &&
                   packed.size(1) * 4 == x.size(1) && packed.size(2) == int8_linear::kBlockN &&
                   packed.size(3) == 4 && packed.is_contiguous(),
@@ -497,8 +510,8 @@ torch::Tensor pack_linear_int4(torch::Tensor q) {
 
 // GGUF block formats, as stored. x as linear_int8's; packed: from pack_linear_int8 (Q8_0) or
 // pack_linear_int4 (Q4_0/Q4_1, four_bit); d, m: fp16 [N/32, K/32, 32], each output's scale and
-// (4-bit only; Q4_0's is -8 d) minimum per 32 inputs, m empty for Q8_0. Activations take a
-// scale per 32 inputs.
+// (Q4_1 only) minimum per 32 inputs, m empty for Q8_0 and Q4_0. Activations take a scale per
+// 32 inputs.
 torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor packed, torch::Tensor d,
                             torch::Tensor m, bool four_bit, bool float_out, bool portable) {
   int8_linear::check_x(x);
@@ -516,13 +529,16 @@ torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor packed, torch::Tensor
            t.size(0) == NB && t.size(1) == K / 32 && t.size(2) == B;
   };
   TORCH_CHECK(scales_ok(d), "d must be contiguous [", NB, ", ", K / 32, ", 32] fp16");
-  TORCH_CHECK(four_bit ? scales_ok(m) : m.numel() == 0,
-              four_bit ? "m must be shaped as d" : "Q8_0 takes no minimum (m empty)");
+  const bool minimum = m.numel() != 0;
+  TORCH_CHECK(!minimum || (four_bit && scales_ok(m)),
+              four_bit ? "m must be shaped as d, or empty (Q4_0)"
+                       : "Q8_0 takes no minimum (m empty)");
   const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr());
-  const auto* mp = four_bit ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr;
+  const auto* mp = minimum ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr;
   const int8_linear::Scales sw{nullptr, dp, mp};
   const auto* w = packed.data_ptr<uint8_t>();
-  if (four_bit)
-    return int8_linear::run<int8_linear::Fmt::kQ4>(x, w, sw, NB, 32, float_out, portable);
-  return int8_linear::run<int8_linear::Fmt::kQ8>(x, w, sw, NB, 32, float_out, portable);
+  using int8_linear::Fmt;
+  if (four_bit && minimum) return int8_linear::run<Fmt::kQ4>(x, w, sw, NB, 32, float_out, portable);
+  if (four_bit) return int8_linear::run<Fmt::kQ4Sym>(x, w, sw, NB, 32, float_out, portable);
+  return int8_linear::run<Fmt::kQ8>(x, w, sw, NB, 32, float_out, portable);
 }
