@@ -222,6 +222,13 @@ async def _tenants(args) -> int:
     return 0
 
 
+def kv_width(w: dict) -> str:
+    """A worker's KV bytes per token, as ` (N KiB/token)`; empty from a router that does not
+    say."""
+    per_token = w.get("kv_bytes_per_token") or 0
+    return f" ({per_token / 1024:g} KiB/token)" if per_token else ""
+
+
 def print_tenants(tenants: list[dict]) -> None:
     for t in tenants:
         quota = "none" if t["tokens_per_minute"] == 0 else f"{t['tokens_per_minute']:.0f}/min"
@@ -282,7 +289,8 @@ def print_status(s: dict) -> None:
     for w, state in zip(rows, states):
         print(
             f"{w['name']:<12} {state:<{width}} pid={w['pid']:<7} "
-            f"node={w['node']:<15} kv={w['kv_blocks_free']}/{w['kv_blocks_total']} "
+            f"node={w['node']:<15} kv={w['kv_blocks_free']}/{w['kv_blocks_total']}"
+            f"{kv_width(w)} "
             f"running={w['running']} waiting={w['waiting']}"
             f"{' draining' if w['draining'] else ''}"
         )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_transfer.layout import KVLayout
+from kv_transfer.layout import KVLayout, as_bytes
 from kv_transfer.protocol import (
     ACK_OK,
     ACK_REFUSED,
@@ -368,4 +368,4 @@ def _scatter(side: PagedBlocks, cache: torch.Tensor, index: torch.Tensor, rows) 
     if side.scatter is not None:
         side.scatter(cache, index, rows)
     else:
-        cache.index_copy_(0, index, rows)
+        as_bytes(cache).index_copy_(0, index, as_bytes(rows))

@@ -6,7 +6,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3}
+DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3, "float8_e4m3fn": 4}
+FP8_DTYPES = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor (kv_cache_dtype: fp8) as the bytes it is, for what takes no fp8 dtype
+    (gloo's sends, index_copy_ on the CPU); any other tensor as it is."""
+    return tensor.view(torch.uint8) if tensor.dtype in FP8_DTYPES else tensor
 
 
 class LayoutMismatch(ValueError):
@@ -28,6 +35,11 @@ class KVLayout:
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token, every layer."""
+        return self.bytes_per_block // self.block_size
 
     @property
     def bytes_per_block(self) -> int:

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from kv_transfer.channel import KVChannel
+from kv_transfer.layout import as_bytes
 from kv_transfer.protocol import TransferError
 from kv_transfer.streams import device_streams
 
@@ -261,10 +262,12 @@ class PairGroup(KVChannel):
             self.wait(work, timeout_s)
 
     def post_send(self, tensor):
-        return self._post(lambda: self.pg.send([tensor], self.peer, 0), "send")
+        wire = as_bytes(tensor)
+        return self._post(lambda: self.pg.send([wire], self.peer, 0), "send")
 
     def post_recv(self, tensor):
-        return self._post(lambda: self.pg.recv([tensor], self.peer, 0), "recv")
+        wire = as_bytes(tensor)
+        return self._post(lambda: self.pg.recv([wire], self.peer, 0), "recv")
 
     def wait(self, handle, timeout_s):
         posted = self._posted.pop(id(handle), None)

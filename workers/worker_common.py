@@ -125,6 +125,7 @@ class WorkerBase:
             kv_blocks_total=s.kv_blocks_total,
             kv_blocks_free=s.kv_blocks_free,
             kv_blocks_reservable=s.kv_blocks_reservable,
+            kv_bytes_per_token=s.kv_bytes_per_token,
             running=s.running,
             waiting=s.waiting,
             reserved=s.reserved,

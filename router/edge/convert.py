@@ -86,6 +86,7 @@ def worker_status(s: WorkerStatus) -> pb.WorkerStatus:
         preemptions=s.preemptions,
         prefix_hit_blocks=s.prefix_hit_blocks,
         unresponsive_s=s.unresponsive_s,
+        kv_bytes_per_token=s.kv_bytes_per_token,
     )
 
 
@@ -111,6 +112,7 @@ def status_to_dict(s: pb.StatusResponse) -> dict:
             "alive": w.alive,
             "kv_blocks_total": w.kv_blocks_total,
             "kv_blocks_free": w.kv_blocks_free,
+            "kv_bytes_per_token": w.kv_bytes_per_token,
             "running": w.running,
             "waiting": w.waiting,
             "reserved": w.reserved,

@@ -1,7 +1,8 @@
-"""Quantized weights through the cluster, bf16 activations: int8 (each worker quantizes the
-same checkpoint the same way) and gguf (each serves the default model's Q4_1 and Q8_0 blocks
-as stored), so a stream through prefill and decode workers is the quantized model's offline
-output (G4), greedy and seeded."""
+"""Quantized weights and KV through the cluster, bf16 activations: int8 (each worker quantizes
+the same checkpoint the same way), gguf (each serves the default model's Q4_1 and Q8_0 blocks
+as stored) and an fp8 KV cache (shipped as fp8 from prefill to decode), so a stream through
+prefill and decode workers is the quantized model's offline output (G4), greedy and seeded,
+and stays so through a replay."""
 
 import pytest
 
@@ -15,9 +16,16 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module", params=["int8", "gguf"])
+SETTINGS = {
+    "int8": {"quantization": "int8"},
+    "gguf": {"quantization": "gguf"},
+    "fp8-kv": {"kv_cache_dtype": "fp8"},
+}
+
+
+@pytest.fixture(scope="module", params=list(SETTINGS))
 def engine(request):
-    return {"dtype": "bfloat16", "quantization": request.param}
+    return {"dtype": "bfloat16", **SETTINGS[request.param]}
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +42,7 @@ def llm(engine):
     return LLM(num_kv_blocks=512, **engine)
 
 
-def test_quantized_streams_equal_the_quantized_offline_engine(cluster, llm):
+def test_quantized_streams_equal_the_quantized_offline_engine(cluster, llm, engine):
     from workers.completion import GenerationRequest
 
     requests = [greedy(c, 20 + 3 * i) for i, c in enumerate(CHATS)]
@@ -50,8 +58,11 @@ def test_quantized_streams_equal_the_quantized_offline_engine(cluster, llm):
         assert r.status == "OK", r.error
         assert r.token_ids == tokens
     s = cluster.wait_all_free()
+    cfg = llm.engine.model_config
+    per_token = 2 * cfg.num_layers * cfg.kv_size * (1 if engine.get("kv_cache_dtype") else 2)
     for w in s["prefill"] + s["decode"]:
         assert w["kv_blocks_free"] == w["kv_blocks_total"], w  # G3
+        assert w["kv_bytes_per_token"] == per_token, w  # as `tandem status` shows it
     # The workers did quantize: the quantized model's greedy tokens are not bf16's everywhere.
     from workers.offline import LLM
 
@@ -60,8 +71,13 @@ def test_quantized_streams_equal_the_quantized_offline_engine(cluster, llm):
 
 
 def test_the_offline_engine_serves_quantized_weights(llm, engine):
+    import torch
+
     from workers.model.linear import BlockWeight, Int8Weight, PackedLinear
 
+    if engine.get("kv_cache_dtype") == "fp8":
+        assert llm.engine.runner.kv_layers[0].dtype == torch.float8_e4m3fn
+        return
     kind = Int8Weight if engine["quantization"] == "int8" else BlockWeight
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedLinear)]
     assert linears and all(isinstance(m.quantized, kind) for m in linears)

@@ -1,6 +1,7 @@
 """The handoff protocol over the in-process channel and over real gloo pair groups (two
 threads of this process, a real TCPStore on loopback)."""
 
+import dataclasses
 import threading
 import time
 
@@ -26,16 +27,17 @@ LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=
 CACHE_BLOCKS = 64
 
 
-def make_cache(seed: int | None = None):
+def make_cache(seed: int | None = None, layout: KVLayout = LAYOUT):
     """One side's paged cache, a tensor per layer (K and V of a block side by side); random,
     or zeros with no seed."""
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    shape = LAYOUT.layer_shape(CACHE_BLOCKS)
+    shape = layout.layer_shape(CACHE_BLOCKS)
 
     def one():
-        return torch.randn(shape, generator=gen) if gen is not None else torch.zeros(shape)
+        t = torch.randn(shape, generator=gen) if gen is not None else torch.zeros(shape)
+        return t.to(layout.torch_dtype)
 
-    return [one() for _ in range(LAYOUT.num_layers)]
+    return [one() for _ in range(layout.num_layers)]
 
 
 def paged(cache, ids, **kwargs):
@@ -46,10 +48,11 @@ def round_trip(sender, receiver, desc, src_ids, dst_ids, extra=b"first tokens"):
     """Send `src_ids` of a random cache into `dst_ids` of an empty one, receiving in a
     thread; check what arrived: every layer's blocks where they belong, nothing else
     written, and the trailer's payload. Returns the sender's plan."""
-    src, dst = make_cache(seed=1), make_cache()
+    layout = desc.layout
+    src, dst = make_cache(seed=1, layout=layout), make_cache(layout=layout)
     receive = _in_thread(
         lambda: recv_kv(
-            receiver, LAYOUT, 5, target=lambda d: paged(dst, dst_ids), staging=StagingBuffers()
+            receiver, layout, 5, target=lambda d: paged(dst, dst_ids), staging=StagingBuffers()
         )
     )
     plan = send_kv(
@@ -64,6 +67,7 @@ def round_trip(sender, receiver, desc, src_ids, dst_ids, extra=b"first tokens"):
     assert got_desc == desc and got_extra == extra
     untouched = sorted(set(range(CACHE_BLOCKS)) - set(dst_ids))
     for s, d in zip(src, dst):
+        s, d = s.view(torch.uint8), d.view(torch.uint8)  # bit for bit, whatever the dtype
         assert torch.equal(d[list(dst_ids)], s[list(src_ids)])
         assert not d[untouched].any()
     return plan
@@ -257,6 +261,23 @@ def test_gloo_pair_moves_kv_and_survives_a_dead_peer():
     round_trip(sender2, receiver2, desc, *runs_)
     sender2.close()
     receiver2.close()
+
+
+def test_gloo_pair_moves_an_fp8_cache_as_its_bytes():
+    """kv_cache_dtype: fp8 ships a byte a value: gloo has no fp8 dtype, so the pair sends the
+    bytes, in place and staged alike."""
+    server = store_server("127.0.0.1")
+    sender, receiver = _pair(server.port, server, "pair/fp8/1")
+    layout = dataclasses.replace(LAYOUT, dtype="float8_e4m3fn")
+    assert layout.bytes_per_token * 4 == KVLayout(3, 2, 8, 4, "float32").bytes_per_token
+    desc = TransferDescriptor("r8", layout, 12, 47)
+    assert round_trip(sender, receiver, desc, [*range(12)], [*range(40, 52)]).staged_send == 0
+    plan = round_trip(
+        sender, receiver, desc, [*range(12)], [9, 2, 33, 17, 5, 40, 22, 1, 60, 11, 14, 27]
+    )
+    assert plan.staged_recv == 12
+    sender.close()
+    receiver.close()
 
 
 def test_rendezvous_with_nobody_times_out():

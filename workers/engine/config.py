@@ -16,6 +16,7 @@ POLICIES = order_names(Side.ENGINE)  # the orders an engine serves (orders.py)
 BATCHING = ("continuous", "static")
 OVERLAP = ("auto", "on", "off")
 QUANTIZATIONS = ("none", "int8", "gguf", "fp8")  # of linear weights (workers/model/linear.py)
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: e4m3
 # What "auto" resolves to on each kind of device: a dtype and block size every backend there
 # takes (flash-attn's pages are 256 tokens; the fallbacks take any size). On a GPU older than
 # sm80, which has no bf16 arithmetic, the dtype is float16 instead (`EngineConfig.resolve`).
@@ -107,6 +108,15 @@ class EngineConfig:
             "against activations quantized per row (CUDA, compute capability 8.9 or newer). "
             "The KV cache keeps dtype",
             choices=QUANTIZATIONS,
+        ),
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=described(
+            "auto: the KV cache in the model's dtype; fp8: in fp8 e4m3, half of bf16's bytes a "
+            "token in memory and in the prefill-to-decode transfer (CPU only for now; values "
+            "past +-448 saturate)",
+            choices=KV_CACHE_DTYPES,
         ),
     )
     attention_backend: str = field(
@@ -211,6 +221,15 @@ class EngineConfig:
                 f"quantization={self.quantization!r} runs on the CPU only (device='cpu'; on "
                 "CUDA, quantization='fp8' or 'none')"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r}: choose from {', '.join(KV_CACHE_DTYPES)}"
+            )
+        if self.kv_cache_dtype == "fp8" and self.device.startswith("cuda"):
+            raise ValueError(
+                "kv_cache_dtype='fp8' runs on the CPU only for now: the CUDA attention kernels "
+                "(Triton, flash-attn) read the model's dtype (kv_cache_dtype='auto')"
+            )
         if self.quantization == "gguf" and self.model and Path(self.model).expanduser().is_dir():
             raise ValueError(
                 f"quantization='gguf' serves a GGUF file's weights as stored; model="
@@ -289,8 +308,10 @@ class EngineConfig:
 
     def kv_blocks(self, num_layers: int, kv_size: int) -> int:
         """The KV blocks that kv_cache_gb holds for a model of this many layers and K (or
-        V) width per token; the dtype resolved."""
+        V) width per token, in the KV cache's dtype; the dtype resolved."""
         itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        if self.kv_cache_dtype == "fp8":
+            itemsize = 1
         per_block = 2 * num_layers * self.block_size * kv_size * itemsize
         return max(1, int(self.kv_cache_gb * 2**30) // per_block)
 

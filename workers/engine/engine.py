@@ -104,7 +104,13 @@ class LLMEngine:
         if make_graph is not None or (device.type == "cuda" and config.cuda_graphs):
             graphs = GraphSettings(config.max_num_seqs, self.max_model_len, make_graph)
         self.runner = ModelRunner(
-            model, num_blocks, config.block_size, device, config.attention_backend, graphs
+            model,
+            num_blocks,
+            config.block_size,
+            device,
+            config.attention_backend,
+            graphs,
+            kv_dtype=torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else None,
         )
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler(self.max_model_len), self.pool)
@@ -133,7 +139,8 @@ class LLMEngine:
             self.source.path.name if self.source else "a model passed in",
             device,
             config.dtype,
-            f", {config.quantization} weights" if config.quantization != "none" else "",
+            (f", {config.quantization} weights" if config.quantization != "none" else "")
+            + (", fp8 KV" if config.kv_cache_dtype == "fp8" else ""),
             num_blocks,
             config.block_size,
             self.runner.backend.name,
@@ -445,6 +452,7 @@ class LLMEngine:
             prefix_query_blocks=sched.num_prefix_queries,
             prefill_tokens=self.prefill_tokens,
             decode_tokens=self.decode_tokens,
+            kv_bytes_per_token=self.kv_layout.bytes_per_token,
         )
 
     # -- the loop body ----------------------------------------------------------------------

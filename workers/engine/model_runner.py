@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kv_transfer.layout import KVLayout
+from kv_transfer.layout import KVLayout, as_bytes
 from workers.engine.cuda_graphs import DecodeGraphs, GraphCapture
 from workers.engine.grammar import GrammarMasks
 from workers.engine.request import PENDING, SamplingParams, choice_id, choice_seed
@@ -65,8 +65,10 @@ class ModelRunner:
         device: torch.device,
         attention_backend: str = "auto",
         graphs: GraphSettings | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
-        """`graphs`: replay decode steps from CUDA graphs (when the backend allows it)."""
+        """`graphs`: replay decode steps from CUDA graphs (when the backend allows it).
+        `kv_dtype`: the KV cache's, if not the model's (torch.float8_e4m3fn)."""
         cfg = model.cfg
         self.model = model
         self.device = device
@@ -81,7 +83,7 @@ class ModelRunner:
             (cfg.num_heads, cfg.num_kv_heads),
         )
         self.backend.check_block_size(block_size)
-        dtype_name = str(dtype).removeprefix("torch.")
+        dtype_name = str(kv_dtype or dtype).removeprefix("torch.")
         self.layout = KVLayout(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype_name
         )
@@ -226,6 +228,7 @@ class ModelRunner:
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy-on-write: block src[i] to dst[i], in every layer's K and V."""
         for layer in self.kv_layers:  # K and V of a block together
+            layer = as_bytes(layer)  # an fp8 cache: index_copy_ takes no fp8 on the CPU
             layer.index_copy_(0, dst, layer.index_select(0, src))
 
     def export_layer(self, layer: int, block_ids, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -372,7 +375,7 @@ def scatter_rows(cache: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, ops
     if ops is not None and cache.device.type == "cpu" and cache.is_contiguous():
         ops.scatter_blocks(cache, idx, rows)
     else:
-        cache.index_copy_(0, idx, rows)
+        as_bytes(cache).index_copy_(0, idx, as_bytes(rows))
 
 
 def fork_row(s: ScheduledRequest, index: int) -> ScheduledRequest:

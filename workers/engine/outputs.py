@@ -37,6 +37,7 @@ class EngineStats:
     preemptions: int
     prefix_hit_blocks: int
     prefix_query_blocks: int = 0  # full prompt blocks looked up in the prefix cache
+    kv_bytes_per_token: int = 0  # K and V of one token, every layer, in the cache's dtype
     prefill_tokens: int = 0  # lifetime: tokens computed in prompt chunks
     decode_tokens: int = 0  # lifetime: tokens computed one per sequence per step
     # Constrained decoding, lifetime: sequences given a matcher, steps that built masks and

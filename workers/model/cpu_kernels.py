@@ -121,7 +121,7 @@ def _cpu_tag() -> str:
 
 
 def _module_name() -> str:
-    return f"tandem_cpu_kernels_v14_{_cpu_tag()}"
+    return f"tandem_cpu_kernels_v15_{_cpu_tag()}"
 
 
 def built() -> bool:

@@ -128,15 +128,17 @@ class TorchAttentionBackend(AttentionBackend):
             self.kernel.write_slots(v_cache, meta.slot_mapping, v)
         else:
             index = meta.slot_index(k_cache.shape[1])
-            k_cache[index] = k
-            v_cache[index] = v
+            k_cache[index] = as_cached(k, k_cache.dtype).to(k_cache.dtype)
+            v_cache[index] = as_cached(v, v_cache.dtype).to(v_cache.dtype)
 
     def _prefill_kernel(self, q, k_cache, v_cache, block_table) -> bool:
         """Whether this chunk takes the compiled bf16 prefill kernel (AVX512-BF16): what it
         checks, checked here, so that anything else takes the SDPA paths rather than fail."""
         return (
             self.kernel is not None
-            and q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+            and q.dtype == torch.bfloat16
+            and k_cache.dtype == v_cache.dtype
+            and k_cache.dtype in (torch.bfloat16, torch.float8_e4m3fn)
             and q.stride(-1) == 1
             and q.stride(-2) == q.shape[-1]
             and paged_blocks_contiguous(k_cache, v_cache)
@@ -175,6 +177,9 @@ class TorchAttentionBackend(AttentionBackend):
         # 4-D inputs: with a batch axis, SDPA takes its fused CPU kernel rather than the
         # math fallback (5x faster on a 1,500-token prompt), and GQA needs no head repeat.
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        # The chunk's own K/V as the cache holds them, so that its rows attend as they will
+        # once cached (an fp8 cache rounds them).
+        k, v = as_cached(k, k_cache.dtype), as_cached(v, v_cache.dtype)
         own_k, own_v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         gqa = q.shape[1] != kvh
         if not p.has_prefix:
@@ -188,6 +193,7 @@ class TorchAttentionBackend(AttentionBackend):
         blocks = p.block_table[: (offset + block_size - 1) // block_size]
         pre_k = k_cache[blocks].view(-1, kvh, d)[:offset].transpose(0, 1).unsqueeze(0)
         pre_v = v_cache[blocks].view(-1, kvh, d)[:offset].transpose(0, 1).unsqueeze(0)
+        pre_k, pre_v = pre_k.to(q.dtype), pre_v.to(q.dtype)  # from an fp8 cache: exact
         if q.device.type == "cpu":
             # Two mask-free flash passes merged by their log-sum-exps: an explicit mask makes
             # the kernel read it and compute every masked score (1.5x slower at 2k tokens).
@@ -223,6 +229,18 @@ def _triton_prefill(device: torch.device, shape: HeadShape | None):
     return paged_prefill_attention
 
 
+FP8_MAX = 448.0  # e4m3's largest finite value
+
+
+def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """The values a cache of `cache_dtype` holds for `x`, in x's dtype: x itself, or for an
+    fp8 cache x rounded to e4m3, saturating at +-448 as the CPU kernels write it (torch's
+    own conversion turns anything past 464 into NaN)."""
+    if cache_dtype != torch.float8_e4m3fn:
+        return x
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(cache_dtype).to(x.dtype)
+
+
 def paged_blocks_contiguous(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """What the kernels ask of a layer's cache pair: alike, each block contiguous."""
     _, block_size, kvh, d = k_cache.shape
@@ -253,8 +271,8 @@ def _sdpa_decode(q, k_cache, v_cache, tables, lens, group: int, scale: float):
     mask = (torch.arange(length, device=lens.device)[None, :] < lens[:, None]).view(
         batch, 1, 1, length
     )
-    keys = k_cache[tables].view(batch, length, kvh, d).transpose(1, 2)
-    values = v_cache[tables].view(batch, length, kvh, d).transpose(1, 2)
+    keys = k_cache[tables].view(batch, length, kvh, d).transpose(1, 2).to(q.dtype)
+    values = v_cache[tables].view(batch, length, kvh, d).transpose(1, 2).to(q.dtype)
     qg = q.view(batch, kvh, group, d)
     o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
     return o.reshape(batch, kvh * group, d)

@@ -1,7 +1,11 @@
 // Small math shared by Tandem's CPU kernels.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -75,6 +79,55 @@ inline __mmask16 first_lanes(int64_t n) {
 inline __m512 load_bf16_x16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+
+// The KV cache in fp8 e4m3 (kv_cache_dtype: fp8): written saturating at +-448 (torch's own
+// conversion turns anything past 464 into NaN), read back as bf16, which holds every e4m3 value
+// exactly. The attention kernels then run their bf16 arithmetic on those values, so an fp8
+// cache gives what a bf16 cache holding the same values would.
+constexpr float kFp8Max = 448.f;
+
+inline uint8_t to_fp8(float x) {
+  if (x != x) return 0x7F;  // NaN
+  return c10::Float8_e4m3fn(std::clamp(x, -kFp8Max, kFp8Max)).x;
+}
+
+// bf16 bits of each of the 256 e4m3 codes.
+inline const uint16_t* fp8_bf16_table() {
+  static const auto table = [] {
+    alignas(64) std::array<uint16_t, 256> t{};
+    for (int i = 0; i < 256; ++i) {
+      const c10::Float8_e4m3fn f(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits());
+      t[i] = c10::BFloat16(static_cast<float>(f)).x;
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+inline uint16_t fp8_to_bf16(uint8_t b) { return fp8_bf16_table()[b]; }
+
+#if defined(__AVX512BW__)
+// 32 e4m3 codes to their bf16 bits, one per 16-bit lane: the magnitude (7 bits) looked up in
+// the table's first 128 entries, 64 at a time, and the sign put back.
+inline __m512i fp8x32_to_bf16(const uint8_t* p) {
+  const uint16_t* t = fp8_bf16_table();
+  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i lo =
+      _mm512_permutex2var_epi16(_mm512_loadu_si512(t), b, _mm512_loadu_si512(t + 32));
+  const __m512i hi =
+      _mm512_permutex2var_epi16(_mm512_loadu_si512(t + 64), b, _mm512_loadu_si512(t + 96));
+  const __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(b, _mm512_set1_epi16(0x40)),
+                                              lo, hi);
+  return _mm512_or_si512(mag,
+                         _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8));
+}
+
+// Lanes 16 * half .. 16 * half + 15 of 32 bf16 values, widened to fp32 exactly.
+inline __m512 widen_bf16_half(__m512i v, int half) {
+  const __m256i h = half ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 #endif
 

@@ -278,7 +278,11 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 void write_slots(torch::Tensor cache, torch::Tensor slots, torch::Tensor rows) {
   tandem::check_paged_cache(cache, cache);
   TORCH_CHECK(rows.device().is_cpu() && slots.device().is_cpu(), "write_slots takes CPU tensors");
-  TORCH_CHECK(cache.scalar_type() == rows.scalar_type(), "cache and rows differ in dtype");
+  const bool fp8 = cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(cache.scalar_type() == rows.scalar_type() ||
+                  (fp8 &&
+                   (rows.scalar_type() == at::kBFloat16 || rows.scalar_type() == at::kFloat)),
+              "cache and rows differ in dtype (an fp8 cache takes bf16 or fp32 rows)");
   TORCH_CHECK(rows.dim() == 3 && rows.size(1) == cache.size(2) && rows.size(2) == cache.size(3) &&
                   rows.stride(2) == 1 && (rows.size(1) == 1 || rows.stride(1) == rows.size(2)),
               "rows must be [n, KVH, D] with each row contiguous");
@@ -289,6 +293,19 @@ void write_slots(torch::Tensor cache, torch::Tensor slots, torch::Tensor rows) {
   const int64_t* s = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(s[i] >= 0 && s[i] < limit, "slot ", s[i], " out of range");
+  }
+  if (fp8) {  // converted as they go, saturating (tandem::to_fp8)
+    const int64_t width = cache.size(2) * cache.size(3);
+    auto* d = static_cast<uint8_t*>(cache.data_ptr());
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, rows.scalar_type(), "write_slots_fp8", [&] {
+      const auto* r = rows.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < n; ++i) {
+        uint8_t* dst = d + (s[i] / bs) * cache.stride(0) + (s[i] % bs) * cache.stride(1);
+        const scalar_t* src = r + i * rows.stride(0);
+        for (int64_t j = 0; j < width; ++j) dst[j] = tandem::to_fp8(static_cast<float>(src[j]));
+      }
+    });
+    return;
   }
   const size_t es = cache.element_size();
   const size_t row_bytes = static_cast<size_t>(cache.size(2) * cache.size(3)) * es;

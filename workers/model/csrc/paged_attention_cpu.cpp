@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_math.h"
@@ -59,8 +60,8 @@ inline int64_t kv_heads_per_item(int64_t batch, int64_t num_kv_heads) {
 // A work item is one sequence and a run of its KV heads: all of them when the batch alone keeps
 // every thread busy (each token's K and V rows are then read whole, in one pass), one head each
 // otherwise.
-template <typename T, int64_t D_FIXED>
-void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+template <typename T, typename KV, int64_t D_FIXED>
+void decode_kernel(const T* q, const KV* k_cache, const KV* v_cache, const int64_t* tables,
                    const int64_t* lens, T* out, int64_t batch, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim_, int64_t block_size,
                    int64_t block_stride, int64_t table_width, float scale) {
@@ -83,9 +84,9 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       float* sc = scores.data();
       for_each_slot(table, len, block_size, block_stride, token_stride,
                     [&](int64_t t, int64_t row) {
-        const T* krow = k_cache + row + h0 * D;
+        const KV* krow = k_cache + row + h0 * D;
         for (int64_t hh = 0, r = 0; hh < heads_per_item; ++hh) {
-          const T* kp = krow + hh * D;
+          const KV* kp = krow + hh * D;
           for (int64_t g = 0; g < group; ++g, ++r) {
             const float* qr = qf.data() + r * D;
             float s = 0.f;
@@ -106,7 +107,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_slot(table, len, block_size, block_stride, token_stride,
                     [&](int64_t t, int64_t row) {
-        const T* vrow = v_cache + row + h0 * D;
+        const KV* vrow = v_cache + row + h0 * D;
         for (int64_t i = 0; i < heads_per_item * D; ++i) vf[i] = to_float(vrow[i]);
         for (int64_t hh = 0, r = 0; hh < heads_per_item; ++hh) {
           const float* vp = vf.data() + hh * D;
@@ -127,20 +128,47 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 }
 
 #if defined(__AVX512BF16__)
-// A bf16 row of D elements into L1, a cache line at a time.
-template <int D>
-inline void prefetch_row(const uint16_t* p) {
+// A cache row of D elements into L1, a cache line at a time.
+template <int D, typename KV>
+inline void prefetch_row(const KV* p) {
   const char* bytes = reinterpret_cast<const char*>(p);
-  for (int c = 0; c < D * 2; c += 64) _mm_prefetch(bytes + c, _MM_HINT_T0);
+  for (int c = 0; c < D * static_cast<int>(sizeof(KV)); c += 64)
+    _mm_prefetch(bytes + c, _MM_HINT_T0);
 }
 
-// The bf16 path on AVX512-BF16, for head_dim 64 or 128 and up to 8 query heads per KV head.
+// A key row as bf16 vectors (32 dimensions each): from a bf16 cache, or an fp8 one, whose
+// values bf16 holds exactly.
+template <int D>
+inline void load_key(const uint16_t* row, __m512bh* k) {
+  for (int c = 0; c < D / 32; ++c) k[c] = (__m512bh)_mm512_loadu_si512(row + c * 32);
+}
+template <int D>
+inline void load_key(const uint8_t* row, __m512bh* k) {
+  for (int c = 0; c < D / 32; ++c) k[c] = (__m512bh)tandem::fp8x32_to_bf16(row + c * 32);
+}
+
+// A value row widened to fp32 (16 dimensions a vector).
+template <int D>
+inline void load_value(const uint16_t* row, __m512* v) {
+  for (int c = 0; c < D / 16; ++c) v[c] = tandem::load_bf16_x16(row + c * 16);
+}
+template <int D>
+inline void load_value(const uint8_t* row, __m512* v) {
+  for (int c = 0; c < D / 32; ++c) {
+    const __m512i b = tandem::fp8x32_to_bf16(row + c * 32);
+    v[2 * c] = tandem::widen_bf16_half(b, 0);
+    v[2 * c + 1] = tandem::widen_bf16_half(b, 1);
+  }
+}
+
+// The bf16 path on AVX512-BF16, for head_dim 64 or 128 and up to 8 query heads per KV head, over
+// a bf16 cache (KV = uint16_t) or an fp8 one (uint8_t).
 // Work items as decode_kernel's; a key's score for each of the G query heads of its KV head is
 // one vdpbf16ps chain over the key's row (the generic loop above converts every element to fp32
 // and reduces it one dot at a time), the softmax runs 16 lanes at a time, and each value row
 // is widened to fp32 once and weighed in fp32 for all G heads.
-template <int D, int G>
-void decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+template <int D, int G, typename KV>
+void decode_bf16(const uint16_t* q, const KV* k_cache, const KV* v_cache,
                  const int64_t* tables, const int64_t* lens, uint16_t* out, int64_t batch,
                  int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
                  int64_t block_stride, int64_t table_width, float scale) {
@@ -167,10 +195,10 @@ void decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
             qz[g][c] = (__m512bh)_mm512_loadu_si512(qb + g * D + c * 32);
         for_each_slot_ahead(table, len, block_size, block_stride, token_stride,
                             [&](int64_t t, int64_t row, int64_t ahead) {
-          const uint16_t* krow = k_cache + row + (h0 + hh) * D;
+          const KV* krow = k_cache + row + (h0 + hh) * D;
           prefetch_row<D>(k_cache + ahead + (h0 + hh) * D);
           __m512bh k[kC];
-          for (int c = 0; c < kC; ++c) k[c] = (__m512bh)_mm512_loadu_si512(krow + c * 32);
+          load_key<D>(krow, k);
           for (int g = 0; g < G; ++g) {
             __m512 s = _mm512_setzero_ps();
             for (int c = 0; c < kC; ++c) s = _mm512_dpbf16_ps(s, qz[g][c], k[c]);
@@ -203,10 +231,10 @@ void decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
           for (int c = 0; c < kV; ++c) a[g][c] = _mm512_setzero_ps();
         for_each_slot_ahead(table, len, block_size, block_stride, token_stride,
                             [&](int64_t t, int64_t row, int64_t ahead) {
-          const uint16_t* vrow = v_cache + row + (h0 + hh) * D;
+          const KV* vrow = v_cache + row + (h0 + hh) * D;
           prefetch_row<D>(v_cache + ahead + (h0 + hh) * D);
           __m512 v[kV];
-          for (int c = 0; c < kV; ++c) v[c] = tandem::load_bf16_x16(vrow + c * 16);
+          load_value<D>(vrow, v);
           for (int g = 0; g < G; ++g) {
             const __m512 p = _mm512_set1_ps(sc[(hh * G + g) * len + t]);
             for (int c = 0; c < kV; ++c) a[g][c] = _mm512_fmadd_ps(p, v[c], a[g][c]);
@@ -224,15 +252,15 @@ void decode_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
   });
 }
 
-template <int D>
-bool decode_bf16_for_group(int64_t group, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+template <int D, typename KV>
+bool decode_bf16_for_group(int64_t group, const uint16_t* q, const KV* k, const KV* v,
                            const int64_t* tables, const int64_t* lens, uint16_t* out, int64_t B,
                            int64_t H, int64_t KVH, int64_t bs, int64_t bstride, int64_t width,
                            float scale) {
   switch (group) {
 #define TANDEM_GROUP(G)                                                                    \
     case G:                                                                                \
-      decode_bf16<D, G>(q, k, v, tables, lens, out, B, H, KVH, bs, bstride, width, scale); \
+      decode_bf16<D, G, KV>(q, k, v, tables, lens, out, B, H, KVH, bs, bstride, width, scale); \
       return true;
     TANDEM_GROUP(1) TANDEM_GROUP(2) TANDEM_GROUP(3) TANDEM_GROUP(4)
     TANDEM_GROUP(5) TANDEM_GROUP(6) TANDEM_GROUP(7) TANDEM_GROUP(8)
@@ -252,13 +280,19 @@ bool try_decode_bf16(const torch::Tensor& q, const torch::Tensor& k_cache,
   const auto* tp = tables.data_ptr<int64_t>();
   const auto* lp = lens.data_ptr<int64_t>();
   const int64_t bstride = k_cache.stride(0);
-  if (D == 64)
-    return decode_bf16_for_group<64>(group, u16(q), u16(k_cache), u16(v_cache), tp, lp, u16(out),
-                                     B, H, KVH, bs, bstride, tables.size(1), scale);
-  if (D == 128)
-    return decode_bf16_for_group<128>(group, u16(q), u16(k_cache), u16(v_cache), tp, lp,
-                                      u16(out), B, H, KVH, bs, bstride, tables.size(1), scale);
-  return false;
+  auto run = [&](const auto* k, const auto* v) {
+    if (D == 64)
+      return decode_bf16_for_group<64>(group, u16(q), k, v, tp, lp, u16(out), B, H, KVH, bs,
+                                       bstride, tables.size(1), scale);
+    if (D == 128)
+      return decode_bf16_for_group<128>(group, u16(q), k, v, tp, lp, u16(out), B, H, KVH, bs,
+                                        bstride, tables.size(1), scale);
+    return false;
+  };
+  if (k_cache.scalar_type() == at::kFloat8_e4m3fn)
+    return run(static_cast<const uint8_t*>(k_cache.data_ptr()),
+               static_cast<const uint8_t*>(v_cache.data_ptr()));
+  return run(u16(k_cache), u16(v_cache));
 }
 #endif
 
@@ -271,7 +305,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor tables,
                                      torch::Tensor lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be [B,H,D], cache [N,bs,KVH,D]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() || fp8,
+              "q and cache dtypes differ (only an fp8 cache takes other queries)");
   q = q.contiguous();
   tables = tables.to(torch::kLong).contiguous();
   lens = lens.to(torch::kLong).contiguous();
@@ -297,14 +333,21 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
     return out;
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    auto run = [&](auto kernel) {
-      kernel(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-             tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B,
-             H, KVH, D, bs, k_cache.stride(0), tables.size(1), static_cast<float>(scale));
+    auto with_cache = [&](const auto* k, const auto* v) {
+      using KV = std::remove_const_t<std::remove_pointer_t<decltype(k)>>;
+      auto run = [&](auto kernel) {
+        kernel(q.data_ptr<scalar_t>(), k, v, tables.data_ptr<int64_t>(),
+               lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, H, KVH, D, bs,
+               k_cache.stride(0), tables.size(1), static_cast<float>(scale));
+      };
+      if (D == 64) run(decode_kernel<scalar_t, KV, 64>);
+      else if (D == 128) run(decode_kernel<scalar_t, KV, 128>);
+      else run(decode_kernel<scalar_t, KV, 0>);
     };
-    if (D == 64) run(decode_kernel<scalar_t, 64>);
-    else if (D == 128) run(decode_kernel<scalar_t, 128>);
-    else run(decode_kernel<scalar_t, 0>);
+    if (fp8)
+      with_cache(k_cache.data_ptr<c10::Float8_e4m3fn>(), v_cache.data_ptr<c10::Float8_e4m3fn>());
+    else
+      with_cache(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
   });
   return out;
 }

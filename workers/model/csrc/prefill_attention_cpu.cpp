@@ -34,7 +34,11 @@ constexpr int kRows = 8;       // query rows per tile
 #if defined(__AVX512BF16__)
 // Copies keys and values kb * 32 .. kb * 32 + 31 of one KV head out of the paged cache into
 // the packed layouts (zeros from `len` on, so padded keys score 0 and weigh nothing).
-void pack_head(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
+inline uint16_t as_bf16(uint16_t x) { return x; }
+inline uint16_t as_bf16(uint8_t x) { return tandem::fp8_to_bf16(x); }  // exact
+
+template <typename KV>
+void pack_head(const KV* k_cache, const KV* v_cache, const int64_t* table,
                int64_t block_size, int64_t block_stride, int64_t num_kv_heads, int64_t kvh,
                int64_t D, int64_t len, int64_t kb, uint16_t* kp, uint16_t* vp) {
   for (int64_t t = 0; t < kKeys; ++t) {
@@ -46,10 +50,10 @@ void pack_head(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* 
       continue;
     }
     const int64_t row = table[j / block_size] * block_stride + (j % block_size) * num_kv_heads * D;
-    const uint16_t* krow = k_cache + row + kvh * D;
-    const uint16_t* vrow = v_cache + row + kvh * D;
-    for (int64_t d = 0; d < D; ++d) kp[(d / 2) * kKeys * 2 + t * 2 + d % 2] = krow[d];
-    for (int64_t d = 0; d < D; ++d) vdst[d * 2] = vrow[d];
+    const KV* krow = k_cache + row + kvh * D;
+    const KV* vrow = v_cache + row + kvh * D;
+    for (int64_t d = 0; d < D; ++d) kp[(d / 2) * kKeys * 2 + t * 2 + d % 2] = as_bf16(krow[d]);
+    for (int64_t d = 0; d < D; ++d) vdst[d * 2] = as_bf16(vrow[d]);
   }
 }
 
@@ -147,9 +151,9 @@ void prefill_tile(const uint16_t* q, int64_t q_stride, int64_t h, int64_t p0, in
   }
 }
 
-template <int D>
+template <int D, typename KV>
 void prefill(const uint16_t* q, int64_t q_stride, int64_t q_len, int64_t num_heads,
-             const uint16_t* k_cache, const uint16_t* v_cache, int64_t block_size,
+             const KV* k_cache, const KV* v_cache, int64_t block_size,
              int64_t block_stride, int64_t num_kv_heads, const int64_t* table, int64_t ctx_len,
              float scale, uint16_t* out, uint16_t* kp, uint16_t* vp, int64_t key_blocks) {
   const int64_t head_k = key_blocks * (D / 2) * kKeys * 2;  // packed elements per KV head
@@ -189,8 +193,9 @@ bool prefill_attention_bf16_supported(int64_t head_dim) {
 }
 
 // q: [q_len, H, D] bf16 (rows may be strided, heads contiguous); k_cache, v_cache:
-// [blocks, block_size, KVH, D] bf16 (as paged_decode_attention's) holding the sequence's first
-// ctx_len tokens, this chunk's included; block_table: [>= ctx_len / block_size] int64.
+// [blocks, block_size, KVH, D] bf16 or fp8 (as paged_decode_attention's) holding the
+// sequence's first ctx_len tokens, this chunk's included; block_table: [>= ctx_len /
+// block_size] int64.
 // Returns [q_len, H, D].
 torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, int64_t ctx_len, double scale) {
@@ -198,7 +203,8 @@ torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kBFloat16 && q.stride(2) == 1 &&
                   q.stride(1) == q.size(2),
               "q must be [T, H, D] bf16 with each row's heads contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16, "the caches must be bf16");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(k_cache.scalar_type() == torch::kBFloat16 || fp8, "the caches must be bf16 or fp8");
   tandem::check_paged_cache(k_cache, v_cache);
   TORCH_CHECK(block_table.scalar_type() == torch::kLong && block_table.is_contiguous(),
               "block_table must be contiguous int64");
@@ -221,14 +227,19 @@ torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor k_cache, tor
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   auto* kpp = reinterpret_cast<uint16_t*>(kp.data_ptr());
   auto* vpp = reinterpret_cast<uint16_t*>(vp.data_ptr());
-  if (D == 64)
-    prefill<64>(u16(q), q.stride(0), q_len, H, u16(k_cache), u16(v_cache), block_size,
-                k_cache.stride(0), KVH, table, ctx_len, static_cast<float>(scale), o, kpp, vpp,
-                key_blocks);
+  auto run = [&](const auto* k, const auto* v) {
+    if (D == 64)
+      prefill<64>(u16(q), q.stride(0), q_len, H, k, v, block_size, k_cache.stride(0), KVH, table,
+                  ctx_len, static_cast<float>(scale), o, kpp, vpp, key_blocks);
+    else
+      prefill<128>(u16(q), q.stride(0), q_len, H, k, v, block_size, k_cache.stride(0), KVH, table,
+                   ctx_len, static_cast<float>(scale), o, kpp, vpp, key_blocks);
+  };
+  if (fp8)
+    run(static_cast<const uint8_t*>(k_cache.data_ptr()),
+        static_cast<const uint8_t*>(v_cache.data_ptr()));
   else
-    prefill<128>(u16(q), q.stride(0), q_len, H, u16(k_cache), u16(v_cache), block_size,
-                 k_cache.stride(0), KVH, table, ctx_len, static_cast<float>(scale), o, kpp, vpp,
-                 key_blocks);
+    run(u16(k_cache), u16(v_cache));
   return out;
 #else
   TORCH_CHECK(false, "prefill_attention_bf16 needs a CPU with AVX512-BF16");
