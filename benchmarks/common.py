@@ -77,32 +77,46 @@ def describe_machine(m: dict) -> str:
     return f"{m['cpu']} ({', '.join(m['flags']) or 'no AVX2'}), {m['cores']} cores"
 
 
-def quantizations(text: str) -> list[str]:
-    """A comma-separated --quantization, each value once, in order. Raises ValueError naming an
-    unknown value."""
+def quantizations(text: str, choices: tuple[str, ...] | None = None, flag="--quantization"):
+    """A comma-separated list of `flag`'s values (the engine's QUANTIZATIONS by default), each
+    once, in order. Raises ValueError naming an unknown value."""
     from workers.engine.config import QUANTIZATIONS
 
+    choices = choices or QUANTIZATIONS
     values = list(dict.fromkeys(q for q in text.split(",") if q))
-    if not values or set(values) - set(QUANTIZATIONS):
-        raise ValueError(f"--quantization {text!r}: choose from {', '.join(QUANTIZATIONS)}")
+    if not values or set(values) - set(choices):
+        raise ValueError(f"{flag} {text!r}: choose from {', '.join(choices)}")
     return values
 
 
-def quantized_runs(systems: list[str], quantization: str) -> list[tuple[str, str, str]]:
-    """(label, system, quantization) for each run: every Tandem system that runs Tandem's CPU
-    kernels once per --quantization value (labelled `system-int8` and so on; `none` keeps the
-    system's name), every other system once, at full width."""
-    values = quantizations(quantization)
-    return [
-        (s if q == "none" else f"{s}-{q}", s, q)
-        for s in systems
-        for q in (values if s.startswith("tandem") and "unpacked" not in s else ["none"])
-    ]
+def quantized_runs(
+    systems: list[str], quantization: str, kv_cache_dtype: str = "auto"
+) -> list[tuple[str, str, dict]]:
+    """(label, system, settings) for each run: every Tandem system that runs Tandem's CPU
+    kernels once per --quantization and --kv-cache-dtype pair (labelled `system-int8`,
+    `system-fp8kv`, `system-int8-fp8kv` and so on; `none` and `auto` keep the system's name),
+    every other system once, at full width. settings: the engine's quantization and
+    kv_cache_dtype."""
+    from workers.engine.config import KV_CACHE_DTYPES
+
+    weights = quantizations(quantization)
+    caches = quantizations(kv_cache_dtype, KV_CACHE_DTYPES, "--kv-cache-dtype")
+    runs = []
+    for s in systems:
+        tandem = s.startswith("tandem") and "unpacked" not in s
+        for q in weights if tandem else ["none"]:
+            for kv in caches if tandem else ["auto"]:
+                suffix = ("" if q == "none" else f"-{q}") + ("" if kv == "auto" else f"-{kv}kv")
+                runs.append((s + suffix, s, {"quantization": q, "kv_cache_dtype": kv}))
+    return runs
 
 
-def unquantized_label(label: str, runs: list[tuple[str, str, str]]) -> str | None:
+FULL_WIDTH = {"quantization": "none", "kv_cache_dtype": "auto"}
+
+
+def unquantized_label(label: str, runs: list[tuple[str, str, dict]]) -> str | None:
     """The label of the same system's full-width run, for a quantized run's ratio."""
-    system = next((s for lab, s, q in runs if lab == label and q != "none"), None)
+    system = next((s for lab, s, st in runs if lab == label and st != FULL_WIDTH), None)
     return system if system is not None and any(lab == system for lab, _, _ in runs) else None
 
 

@@ -2,6 +2,7 @@
 bytes, and what it adds to a prefill once the prefill's compute is over.
 
     python benchmarks/kv_transfer.py [--part wire|prefill|both] [--dtype bfloat16]
+        [--kv-cache-dtype auto|fp8]
         [--lengths 128,...] [--iters 20] [--wire-runs 3] [--prefill-lengths 1024] [--runs 5]
 
 Part `wire`: two processes on loopback, each with one thread, joined by a gloo pair group
@@ -62,14 +63,17 @@ from workers.model.cpu_kernels import cpu_kernels  # noqa: E402
 CACHE_BLOCKS = 1024
 
 
-def layout_for(dtype: str) -> KVLayout:
+def layout_for(dtype: str, kv_cache_dtype: str = "auto") -> KVLayout:
+    """SmolLM2's KV layout, in `dtype`, or in fp8 with kv_cache_dtype fp8 (a byte a value)."""
+    if kv_cache_dtype == "fp8":
+        dtype = "float8_e4m3fn"
     return KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
 
 
 def make_cache(layout: KVLayout):
     cache = allocate_kv_cache(layout, CACHE_BLOCKS, torch.device("cpu"))
     for layer in cache:
-        layer.normal_()
+        layer.copy_(torch.randn(layer.shape).to(layer.dtype))  # fp8 takes no normal_()
     return cache
 
 
@@ -104,7 +108,7 @@ CASES = ("runs", "churned", "scattered")
 
 def wire_worker(rank: int, port_file: str, args: dict, out: str) -> None:
     torch.set_num_threads(1)
-    layout = layout_for(args["dtype"])
+    layout = layout_for(args["dtype"], args["kv_cache_dtype"])
     ops = cpu_kernels()  # the scatter kernel, as the decode worker has it
     if rank == 1:
         server = store_server("127.0.0.1")
@@ -187,6 +191,7 @@ def wire_worker(rank: int, port_file: str, args: dict, out: str) -> None:
 def run_wire(args) -> list[dict]:
     job = {
         "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "lengths": [int(x) for x in args.lengths.split(",")],
         "iters": args.iters,
     }
@@ -258,7 +263,12 @@ def run_prefill(args) -> list[dict]:
 
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, namespace="tandem-bench")
     try:
-        cfg = EngineConfig(dtype=args.dtype, num_threads=1, kv_cache_gb=0.5)
+        cfg = EngineConfig(
+            dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
+            num_threads=1,
+            kv_cache_gb=0.5,
+        )
 
         def start(cls, name, **kwargs):
             actor = (
@@ -330,6 +340,12 @@ def main() -> None:
     )
     p.add_argument("--part", default="both", choices=("wire", "prefill", "both"))
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8"),
+        help="fp8: the cache (and so the handoff) a byte a value",
+    )
     p.add_argument("--lengths", default="128,256,512,1024,2048,4096")
     p.add_argument("--iters", type=int, default=20, help="transfers per cell (part wire)")
     p.add_argument("--wire-runs", type=int, default=3, help="runs of part wire; medians shown")

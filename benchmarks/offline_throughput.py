@@ -69,6 +69,7 @@ def run_tandem(job: dict, batching: str) -> list[dict]:
             model=tandem_model(job, job.get("quantization", "none")),
             dtype=job["dtype"],
             quantization=job.get("quantization", "none"),
+            kv_cache_dtype=job.get("kv_cache_dtype", "auto"),
             max_num_seqs=job["max_batch"],
             batching=batching,
             max_model_len=job["max_model_len"],
@@ -240,7 +241,14 @@ def main() -> None:
     p.add_argument(
         "--quantization",
         default="none",
-        help="Tandem's weights, comma-separated (none, int8): each Tandem system once per value",
+        help="Tandem's weights, comma-separated (none, int8, gguf): each Tandem system once "
+        "per value",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="Tandem's KV cache, comma-separated (auto, fp8): each Tandem system once per "
+        "value, and per --quantization value",
     )
     p.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     p.add_argument(
@@ -260,7 +268,7 @@ def main() -> None:
     if unknown:
         p.error(f"unknown systems: {', '.join(sorted(unknown))}")
     try:
-        runs = quantized_runs(systems, args.quantization)
+        runs = quantized_runs(systems, args.quantization, args.kv_cache_dtype)
     except ValueError as e:
         p.error(str(e))
     model_dir = export_default_model(RESULTS / "smollm2-135m-instruct-hf")
@@ -281,8 +289,8 @@ def main() -> None:
         f"max batch {args.max_batch}, {args.runs} runs each; {describe_machine(job['machine'])}"
     )
     results = {
-        label: run_system(label, s, {**job, "quantization": q}, args.vllm_python, args.timeout)
-        for label, s, q in runs
+        label: run_system(label, s, {**job, **settings}, args.vllm_python, args.timeout)
+        for label, s, settings in runs
     }
     base = results.get("tandem-continuous", {}).get("median_tokens_per_s")
     rows = []
@@ -316,6 +324,7 @@ def main() -> None:
         "max_batch": args.max_batch,
         "runs": args.runs,
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "machine": job["machine"],
     }
     args.out.write_text(json.dumps({"config": meta, "results": results}, indent=2))

@@ -1,9 +1,9 @@
 """What quantization costs in accuracy: perplexity on a held-out public-domain text, and greedy
-agreement with the full-width model, for each --quantization, in one run.
+agreement with the full-width model, for each --quantization and --kv-cache-dtype, in one run.
 
-    python benchmarks/quality.py [--quantization none,int8,gguf] [--dtype bfloat16]
-        [--gguf-type Q4_1] [--tokens 50000] [--window 1024] [--prompts 32] [--max-tokens 64]
-        [--text benchmarks/texts/sherlock_holmes.txt] [--out F.json]
+    python benchmarks/quality.py [--quantization none,int8,gguf] [--kv-cache-dtype auto]
+        [--dtype bfloat16] [--gguf-type Q4_1] [--tokens 50000] [--window 1024] [--prompts 32]
+        [--max-tokens 64] [--text benchmarks/texts/sherlock_holmes.txt] [--out F.json]
 
 The model is the default one, from a GGUF file of --gguf-type: Q4_1 is its own file, another
 type (Q8_0, Q4_0) the same weights written in it once (benchmarks/common.py's export_gguf).
@@ -20,7 +20,8 @@ Greedy agreement: the first --prompts prompts of the offline workload, --max-tok
 full-width one): the share of sequences identical, and the mean share of each sequence's
 tokens before its first difference.
 
-Targets: perplexity within 1% of bf16 for int8, within 3% for 4-bit. Writes JSON to
+Targets: perplexity within 1% of bf16 for int8 and an fp8 KV cache, within 3% for 4-bit.
+A configuration is named by its weights, and `+fp8kv` for an fp8 cache. Writes JSON to
 benchmarks/results/quality.json, with the CPU model and flags.
 """
 
@@ -45,7 +46,7 @@ from benchmarks.common import (  # noqa: E402
     log,
     machine,
     print_table,
-    quantizations,
+    quantized_runs,
 )
 
 TEXT = ROOT / "benchmarks" / "texts" / "sherlock_holmes.txt"
@@ -107,6 +108,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quantization", default="none,int8,gguf")
+    p.add_argument("--kv-cache-dtype", default="auto", help="comma-separated: auto, fp8")
     p.add_argument("--gguf-type", default="Q4_1", help="the GGUF file's type (Q4_1: the default)")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--text", type=Path, default=TEXT)
@@ -121,9 +123,13 @@ def main() -> None:
     from workers.engine.engine import LLMEngine
 
     try:
-        configs = quantizations(args.quantization)
+        runs = quantized_runs(["tandem"], args.quantization, args.kv_cache_dtype)
     except ValueError as e:
         p.error(str(e))
+    configs = {
+        st["quantization"] + ("+fp8kv" if st["kv_cache_dtype"] == "fp8" else ""): st
+        for _, _, st in runs
+    }
     if args.tokens < 2 or args.window < 2 or args.prompts < 1 or args.max_tokens < 1:
         p.error("--tokens and --window need at least 2, --prompts and --max-tokens 1")
     if not args.text.is_file():
@@ -137,17 +143,17 @@ def main() -> None:
         except (KeyError, NotImplementedError) as e:
             p.error(f"--gguf-type {args.gguf_type}: cannot be written ({e})")
     m = machine()
-    log(f"{describe_machine(m)}; {model.name}, {args.dtype}, configurations {configs}")
+    log(f"{describe_machine(m)}; {model.name}, {args.dtype}, configurations {list(configs)}")
     blocks = -(-args.window // 16) + 64 * -(-(args.max_tokens + 2048) // 16)
     results, reference = {}, None
-    for q in configs:
+    for q, settings in configs.items():
         t0 = time.perf_counter()
         engine = LLMEngine(
             EngineConfig(
                 model=str(model),
                 device="cpu",  # int8 is the CPU's: every configuration on the same device
                 dtype=args.dtype,
-                quantization=q,
+                **settings,
                 num_kv_blocks=blocks,
                 num_threads=args.threads,
                 max_num_seqs=args.prompts,
@@ -178,7 +184,8 @@ def main() -> None:
         }
         log(f"[{q}] perplexity {ppl:.4f} ({time.perf_counter() - t0:.0f} s)")
         del engine
-    base = results[configs[0]]["perplexity"]
+    first = next(iter(configs))
+    base = results[first]["perplexity"]
     rows = [
         [
             q,
@@ -194,7 +201,7 @@ def main() -> None:
         [
             "weights",
             "perplexity",
-            f"vs {configs[0]}",
+            f"vs {first}",
             "greedy sequences identical",
             "tokens before a difference",
         ],

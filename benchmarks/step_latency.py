@@ -66,6 +66,7 @@ class TandemEngine:
                 model=tandem_model(job, job.get("quantization", "none")),
                 dtype=job["dtype"],
                 quantization=job.get("quantization", "none"),
+                kv_cache_dtype=job.get("kv_cache_dtype", "auto"),
                 max_num_seqs=max(job["batches"]),
                 max_model_len=model_len(job),
                 num_threads=job["threads"],
@@ -382,7 +383,13 @@ def main() -> None:
         "--quantization",
         default="none",
         help="Tandem's weights, comma-separated: each Tandem system runs once per value "
-        "(none, int8), as tandem and tandem-int8; vLLM runs at --dtype",
+        "(none, int8, gguf), as tandem and tandem-int8; vLLM runs at --dtype",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="Tandem's KV cache, comma-separated (auto, fp8): each Tandem system runs once per "
+        "value and --quantization value, as tandem and tandem-fp8kv",
     )
     p.add_argument("--vllm-python", type=Path, default=None)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per system")
@@ -415,7 +422,7 @@ def main() -> None:
     if args.steps <= 0 or args.runs <= 0:
         p.error("--steps and --runs must be positive")
     try:
-        runs = quantized_runs(systems, args.quantization)
+        runs = quantized_runs(systems, args.quantization, args.kv_cache_dtype)
     except ValueError as e:
         p.error(str(e))
     out = args.out or RESULTS / "step_latency.json"
@@ -438,8 +445,8 @@ def main() -> None:
     )
     vllm_python = args.vllm_python or DEFAULT_VLLM_PYTHON
     results = {
-        label: run_system(label, s, {**job, "quantization": q}, vllm_python, args.timeout)
-        for label, s, q in runs
+        label: run_system(label, s, {**job, **settings}, vllm_python, args.timeout)
+        for label, s, settings in runs
     }
     if args.scheduler_rows > 0:
         results["scheduler"] = scheduler_cost(args.scheduler_rows, args.steps, args.runs)

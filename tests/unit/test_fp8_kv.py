@@ -59,13 +59,16 @@ def test_prefill_attends_as_a_bf16_cache_of_the_same_values(dim):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_writes_saturate_and_match_the_fallbacks_values(dtype):
-    cache = torch.zeros(8, 4, 2, 32, dtype=FP8)
-    rows = (torch.randn(5, 2, 32) * 200).to(dtype)
+    torch.manual_seed(5)
+    cache = torch.zeros(8, 4, 2, 40, dtype=FP8)  # rows of 80: 16 lanes at a time, and a tail
+    scales = 10 ** (torch.rand(5, 2, 1) * 8 - 5)  # magnitudes from 1e-5 (subnormal) to 1e3
+    rows = (torch.randn(5, 2, 40) * scales).to(dtype)
     rows[0, 0, :4] = torch.tensor([1e4, -600.0, 449.0, 470.0])  # past e4m3's 448
     rows[1, 1, 0] = 1e-9  # below its smallest step: 0
+    rows[1, 1, 1:5] = torch.tensor([2**-6, -(2**-7), 2**-10, 3 * 2**-10])  # ties and edges
     slots = torch.tensor([0, 3, 9, 17, 31])
     KERNELS.write_slots(cache, slots, rows)
-    got = cache.view(-1, 2, 32)[slots]
+    got = cache.view(-1, 2, 40)[slots]
     want = as_cached(rows, FP8).to(FP8)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert got[0, 0, :4].float().tolist() == [448.0, -448.0, 448.0, 448.0]

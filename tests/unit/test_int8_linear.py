@@ -320,16 +320,22 @@ def test_int8_is_refused_where_it_cannot_run(monkeypatch):
 def test_benchmarks_run_each_tandem_system_once_per_quantization():
     from benchmarks.common import quantizations, quantized_runs, unquantized_label
 
-    runs = quantized_runs(["tandem", "tandem-unpacked", "vllm"], "none,int8,int8")
+    full = {"quantization": "none", "kv_cache_dtype": "auto"}
+    runs = quantized_runs(["tandem", "tandem-unpacked", "vllm"], "none,int8,int8", "auto,fp8")
     assert runs == [
-        ("tandem", "tandem", "none"),
-        ("tandem-int8", "tandem", "int8"),
-        ("tandem-unpacked", "tandem-unpacked", "none"),  # no CPU kernels: no int8
-        ("vllm", "vllm", "none"),
+        ("tandem", "tandem", full),
+        ("tandem-fp8kv", "tandem", {**full, "kv_cache_dtype": "fp8"}),
+        ("tandem-int8", "tandem", {**full, "quantization": "int8"}),
+        ("tandem-int8-fp8kv", "tandem", {"quantization": "int8", "kv_cache_dtype": "fp8"}),
+        ("tandem-unpacked", "tandem-unpacked", full),  # no CPU kernels: no int8
+        ("vllm", "vllm", full),
     ]
     assert unquantized_label("tandem-int8", runs) == "tandem"
+    assert unquantized_label("tandem-int8-fp8kv", runs) == "tandem"
     assert unquantized_label("tandem", runs) is None
     only_int8 = quantized_runs(["tandem"], "int8")
     assert unquantized_label("tandem-int8", only_int8) is None  # nothing to compare with
     with pytest.raises(ValueError, match="choose from none, int8"):
         quantizations("int4")
+    with pytest.raises(ValueError, match="--kv-cache-dtype 'int4': choose from auto, fp8"):
+        quantized_runs(["tandem"], "none", "int4")

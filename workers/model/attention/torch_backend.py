@@ -33,6 +33,7 @@ from workers.model.attention.base import (
     HeadShape,
     PrefillSlice,
 )
+from workers.model.linear import FP8_MAX
 
 log = logging.getLogger(__name__)
 
@@ -227,9 +228,6 @@ def _triton_prefill(device: torch.device, shape: HeadShape | None):
         log.warning("no Triton prefill kernel (%s): prompt chunks run on SDPA", why)
         return None
     return paged_prefill_attention
-
-
-FP8_MAX = 448.0  # e4m3's largest finite value
 
 
 def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:

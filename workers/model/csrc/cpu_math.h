@@ -124,6 +124,28 @@ inline __m512i fp8x32_to_bf16(const uint8_t* p) {
                          _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8));
 }
 
+// to_fp8 16 lanes at a time, the same codes: |x| saturated at 448; below 2^-6 (e4m3's
+// subnormals) the code is |x| / 2^-9 rounded to nearest even (8 being the smallest normal);
+// above, the fp32 bits rounded to nearest even at 3 mantissa bits and the exponent rebased
+// (127 - 7); then the sign; a NaN is 0x7F.
+inline __m128i to_fp8_x16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
+  const __m512 a = _mm512_min_ps(_mm512_abs_ps(x), _mm512_set1_ps(kFp8Max));
+  const __m512i ab = _mm512_castps_si512(a);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(ab, 20), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_add_epi32(ab, _mm512_add_epi32(_mm512_set1_epi32(0x7FFFF), lsb));
+  const __m512i normal =
+      _mm512_sub_epi32(_mm512_srli_epi32(rounded, 20), _mm512_set1_epi32(120 << 3));
+  const __m512i sub = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(512.f)));  // RNE
+  const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.f / 64), _CMP_LT_OQ);
+  __m512i code = _mm512_or_si512(_mm512_mask_mov_epi32(normal, small, sub), sign);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  code = _mm512_mask_mov_epi32(code, nan, _mm512_set1_epi32(0x7F));
+  return _mm512_cvtepi32_epi8(code);
+}
+
 // Lanes 16 * half .. 16 * half + 15 of 32 bf16 values, widened to fp32 exactly.
 inline __m512 widen_bf16_half(__m512i v, int half) {
   const __m256i h = half ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v);

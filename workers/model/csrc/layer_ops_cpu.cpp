@@ -302,7 +302,18 @@ void write_slots(torch::Tensor cache, torch::Tensor slots, torch::Tensor rows) {
       for (int64_t i = 0; i < n; ++i) {
         uint8_t* dst = d + (s[i] / bs) * cache.stride(0) + (s[i] % bs) * cache.stride(1);
         const scalar_t* src = r + i * rows.stride(0);
-        for (int64_t j = 0; j < width; ++j) dst[j] = tandem::to_fp8(static_cast<float>(src[j]));
+        int64_t j = 0;
+#if defined(__AVX512BW__)
+        for (; j + 16 <= width; j += 16) {
+          __m512 v;
+          if constexpr (std::is_same_v<scalar_t, float>)
+            v = _mm512_loadu_ps(src + j);
+          else
+            v = tandem::load_bf16_x16(reinterpret_cast<const uint16_t*>(src + j));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), tandem::to_fp8_x16(v));
+        }
+#endif
+        for (; j < width; ++j) dst[j] = tandem::to_fp8(static_cast<float>(src[j]));
       }
     });
     return;

@@ -22,10 +22,10 @@
 // scale per 32 inputs instead of one per output: Q8_0 (w = d * q) in the layout above, and the
 // 4-bit Q4_0/Q4_1 (w = d * (q - 8) or d * q + m, q in 0..15) two to a byte, [N/32][K/8][32][4]
 // with byte t of an output's four holding inputs 8k + t (low nibble) and 8k + 4 + t (high
-// nibble): a quarter of bf16's bytes. Activations then take a scale per 32 inputs, as llama.cpp's do, and each
-// group folds in as acc += s_x * (d * (sum - 128 sum(x_q))) for Q8_0 (its values stored
-// unsigned, as int8's), acc += s_x * (d * (sum - 8 sum(x_q))) for Q4_0 (w = d (q - 8)), and
-// acc += s_x * (d * sum + m * sum(x_q)) for Q4_1.
+// nibble): a quarter of bf16's bytes. Activations then take a scale per 32 inputs, as
+// llama.cpp's do, and each group folds in as acc += s_x * (d * (sum - 128 sum(x_q))) for Q8_0
+// (its values stored unsigned, as int8's), acc += s_x * (d * (sum - 8 sum(x_q))) for Q4_0
+// (w = d (q - 8)), and acc += s_x * (d * sum + m * sum(x_q)) for Q4_1.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
