@@ -197,7 +197,7 @@ def _fp8(torch, cuda) -> str:
     """Whether quantization: fp8 runs on this machine's first GPU."""
     if not cuda:
         return "needs a CUDA GPU of compute capability 8.9 or newer (none visible here)"
-    from workers.model.linear import fp8_unavailable
+    from workers.model.fp8_linear import fp8_unavailable
 
     why_not = fp8_unavailable(torch.device("cuda", 0))
     return why_not or "torch._scaled_mm on this GPU's fp8 tensor cores"
@@ -208,7 +208,7 @@ def _int8_kernel() -> str:
     answer where they are built, else this CPU's flags (they are built for the CPU they run
     on)."""
     from workers.model import cpu_kernels
-    from workers.model.linear import int8_kernel
+    from workers.model.int8_linear import int8_kernel
 
     if cpu_kernels.switched_off():
         return "unavailable: needs Tandem's CPU kernels (TANDEM_CPU_KERNELS=0)"

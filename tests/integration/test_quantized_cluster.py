@@ -73,7 +73,9 @@ def test_quantized_streams_equal_the_quantized_offline_engine(cluster, llm, engi
 def test_the_offline_engine_serves_quantized_weights(llm, engine):
     import torch
 
-    from workers.model.linear import BlockWeight, Int8Weight, PackedLinear
+    from workers.model.gguf_linear import BlockWeight
+    from workers.model.int8_linear import Int8Weight
+    from workers.model.linear import PackedLinear
 
     if engine.get("kv_cache_dtype") == "fp8":
         assert llm.engine.runner.kv_layers[0].dtype == torch.float8_e4m3fn

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from workers.engine.config import EngineConfig
-from workers.model.linear import (
+from workers.model.fp8_linear import (
     FP8_MAX,
     Fp8Weight,
-    PackedLinear,
     fp8_unavailable,
     quantize_fp8,
     quantize_linears_fp8,
 )
+from workers.model.linear import PackedLinear
 from workers.model.loader import ModelSource, build_model
 
 
@@ -50,15 +50,15 @@ def test_products_match_the_rounded_reference_and_rows_stand_alone(dtype):
     x = (torch.randn(9, 160) * torch.rand(9, 1) * 5).to(dtype)
     q, scale = quantize_fp8(weight)
     fp8 = Fp8Weight(q, scale, None)
-    got = fp8.matmul(None, x, True)
+    got = fp8.matmul(x, True)
     want = reference(x, weight)
     assert got.dtype == torch.float32
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
-    assert fp8.matmul(None, x, False).dtype == dtype
+    assert fp8.matmul(x, False).dtype == dtype
     # A row's scale is its own, but _scaled_mm (oneDNN here, cuBLASLt on CUDA) may sum in an
     # order of the batch's shape: the caveat docs/operations.md gives for cuBLAS.
     for i in (0, 4, 8):
-        alone = fp8.matmul(None, x[i : i + 1], True)
+        alone = fp8.matmul(x[i : i + 1], True)
         assert torch.allclose(alone, got[i : i + 1], rtol=1e-5, atol=1e-5 * got.abs().max().item())
     exact = x.float() @ weight.t()
     assert (got - exact).norm() / exact.norm() < 0.06

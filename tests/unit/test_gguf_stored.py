@@ -13,8 +13,9 @@ from tests.gguf_files import write_gguf
 from workers.engine.config import EngineConfig
 from workers.model.config import CheckpointError
 from workers.model.cpu_kernels import cpu_kernels
+from workers.model.gguf_linear import BlockWeight
 from workers.model.gguf_loader import open_gguf
-from workers.model.linear import BlockWeight, PackedLinear
+from workers.model.linear import PackedLinear
 from workers.model.loader import ModelSource, build_model, read_model_config
 
 CPU = torch.device("cpu")
@@ -75,7 +76,7 @@ def test_every_linear_is_served_as_stored(tiny_model_dir, tmp_path, qtype, caplo
     cfg = read_model_config(ModelSource(tiny_model_dir))
     path = tiny_gguf(tiny_model_dir, tmp_path, qtype)
     full = build_model(ModelSource(path), torch.float32, CPU)
-    with caplog.at_level(logging.INFO, logger="workers.model.linear"):
+    with caplog.at_level(logging.INFO, logger="workers.model.gguf_linear"):
         stored = build_model(ModelSource(path), torch.float32, CPU, quantization="gguf")
     n = 4 * cfg.num_layers + 1
     assert f"{n} of {n} linear layers served as stored in the GGUF ({qtype}" in caplog.text
@@ -116,7 +117,7 @@ def test_a_layer_whose_parts_differ_in_width_keeps_the_model_dtype(
     path = tiny_gguf(
         tiny_llama_dir, tmp_path, "Q8_0", {"model.layers.0.self_attn.k_proj.weight": "Q4_0"}
     )
-    with caplog.at_level(logging.INFO, logger="workers.model.linear"):
+    with caplog.at_level(logging.INFO, logger="workers.model.gguf_linear"):
         model = build_model(ModelSource(path), torch.float32, CPU, quantization="gguf")
     assert "12 of 13 linear layers served as stored" in caplog.text
     assert "layers.0.self_attn" in caplog.text
@@ -133,7 +134,7 @@ def test_an_lm_head_of_another_type_is_dequantized_not_refused(tiny_llama_dir, t
     """llama.cpp's quantizer writes the lm_head in Q6_K beside Q4_0 layers: such a file is
     served, its lm_head at the model's dtype."""
     path = tiny_gguf(tiny_llama_dir, tmp_path, "Q4_0", {"model.embed_tokens.weight": "Q5_0"})
-    with caplog.at_level(logging.INFO, logger="workers.model.linear"):
+    with caplog.at_level(logging.INFO, logger="workers.model.gguf_linear"):
         model = build_model(ModelSource(path), torch.float32, CPU, quantization="gguf")
     assert "12 of 13 linear layers served as stored" in caplog.text
     assert "embed_tokens.weight" in caplog.text

@@ -11,15 +11,15 @@ import torch.nn.functional as F
 
 from workers.engine.config import EngineConfig
 from workers.model.cpu_kernels import cpu_kernels
-from workers.model.linear import (
+from workers.model.int8_linear import (
     INT8_KERNEL_ENV,
-    PackedLinear,
     int8_group,
     int8_kernel,
     int8_unavailable,
     quantize_int8,
     quantize_linears,
 )
+from workers.model.linear import PackedLinear
 
 CPU = torch.device("cpu")
 KERNELS = cpu_kernels()
@@ -275,7 +275,7 @@ def test_quantize_linears_packs_what_fits_and_leaves_the_rest(caplog):
     head.weight = embed.weight  # a tied lm_head
     model = torch.nn.ModuleDict({"fits": fits, "odd": odd, "embed": embed, "head": head})
     dense = fits.weight.detach().clone()
-    with caplog.at_level(logging.INFO, logger="workers.model.linear"):
+    with caplog.at_level(logging.INFO, logger="workers.model.int8_linear"):
         assert quantize_linears(model, CPU) == 2
     assert "2 of 3 linear layers quantized to int8" in caplog.text
     assert fits.quantized is not None and fits.weight is None
@@ -311,7 +311,7 @@ def test_int8_is_refused_where_it_cannot_run(monkeypatch):
     assert "CPU only" in int8_unavailable(torch.device("meta"))
     if KERNELS is None:
         assert "CPU kernels" in int8_unavailable(CPU)
-    monkeypatch.setattr("workers.model.linear.cpu_kernels", lambda: None)
+    monkeypatch.setattr("workers.model.int8_linear.cpu_kernels", lambda: None)
     monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
     with pytest.raises(ValueError, match="TANDEM_CPU_KERNELS=0"):
         quantize_linears(PackedLinear(32, 64, bias=False), CPU)

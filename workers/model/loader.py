@@ -15,16 +15,10 @@ import torch
 
 from workers.model.config import CheckpointError, ModelConfig
 from workers.model.cpu_kernels import cpu_kernels
-from workers.model.linear import (
-    fp8_unavailable,
-    int8_kernel,
-    int8_unavailable,
-    pack_linears,
-    pack_stored,
-    quantize_linears,
-    quantize_linears_fp8,
-    serve_stored,
-)
+from workers.model.fp8_linear import fp8_unavailable, quantize_linears_fp8
+from workers.model.gguf_linear import pack_stored, serve_stored
+from workers.model.int8_linear import int8_kernel, int8_unavailable, quantize_linears
+from workers.model.linear import pack_linears
 from workers.model.llama import LlamaForCausalLM
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -134,7 +128,8 @@ def assemble_model(
     (`source` names them in errors); on the CPU, its linears packed for the CPU kernels, with
     quantization 'int8' quantized per output channel, or with 'gguf' served by the blocks
     that come with them (a stream of `open_checkpoint(src, stored=True)`); on CUDA, with
-    'fp8', quantized to fp8 e4m3 per output channel (linear.py)."""
+    'fp8', quantized to fp8 e4m3 per output channel (int8_linear.py, gguf_linear.py,
+    fp8_linear.py)."""
     if quantization not in ("none", "int8", "gguf", "fp8"):
         raise ValueError(f"quantization={quantization!r}: choose none, int8, gguf or fp8")
     if quantization == "fp8" and (why_not := fp8_unavailable(device)) is not None:

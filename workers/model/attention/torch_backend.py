@@ -33,7 +33,7 @@ from workers.model.attention.base import (
     HeadShape,
     PrefillSlice,
 )
-from workers.model.linear import FP8_MAX
+from workers.model.fp8_linear import FP8_MAX
 
 log = logging.getLogger(__name__)
 
