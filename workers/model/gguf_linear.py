@@ -84,7 +84,7 @@ def _concat(parts: list[BlockWeight]) -> BlockWeight:
 def serve_stored(model: nn.Module, stored: dict, device: torch.device) -> int:
     """Every linear layer of `model` whose checkpoint tensors came as stored GGUF blocks
     (`stored`: BlockWeight by HF name less `model.`, from `pack_stored`; all of a layer's
-    parts or none, in one width), served by them as they are; returns how many. The rest keep
+    parts or none, in one type), served by them as they are; returns how many. The rest keep
     the model's dtype, for `pack_linears`, with a log line saying which and why."""
     why_not = int8_unavailable(device, "gguf")
     if why_not is not None:
