@@ -80,7 +80,7 @@ def describe_machine(m: dict) -> str:
 def quantizations(text: str, choices: tuple[str, ...] | None = None, flag="--quantization"):
     """A comma-separated list of `flag`'s values (the engine's QUANTIZATIONS by default), each
     once, in order. Raises ValueError naming an unknown value."""
-    from workers.engine.config import QUANTIZATIONS
+    from workers.model.quantization import QUANTIZATIONS
 
     choices = choices or QUANTIZATIONS
     values = list(dict.fromkeys(q for q in text.split(",") if q))
@@ -97,7 +97,7 @@ def quantized_runs(
     `system-fp8kv`, `system-int8-fp8kv` and so on; `none` and `auto` keep the system's name),
     every other system once, at full width. settings: the engine's quantization and
     kv_cache_dtype."""
-    from workers.engine.config import KV_CACHE_DTYPES
+    from workers.model.quantization import KV_CACHE_DTYPES
 
     weights = quantizations(quantization)
     caches = quantizations(kv_cache_dtype, KV_CACHE_DTYPES, "--kv-cache-dtype")

@@ -50,6 +50,7 @@ def test_stored_blocks_are_the_weights_the_loader_dequantizes(tiny_llama_dir, tm
         if b.m is not None:
             w += b.m.float().repeat_interleave(32, 1)
         assert torch.equal(w, dense[name]), name  # q and k rows unpermuted as the dense ones
+        assert torch.equal(b.dequantized(), dense[name]), name
         # no dense copy of a weight served as stored, but for the looked-up embedding
         assert (tensor is None) == (name != "model.embed_tokens.weight"), name
     layer = {n.split(".", 3)[3] for n in with_blocks if n.startswith("model.layers.0.")}

@@ -275,7 +275,7 @@ def test_quantize_linears_packs_what_fits_and_leaves_the_rest(caplog):
     head.weight = embed.weight  # a tied lm_head
     model = torch.nn.ModuleDict({"fits": fits, "odd": odd, "embed": embed, "head": head})
     dense = fits.weight.detach().clone()
-    with caplog.at_level(logging.INFO, logger="workers.model.int8_linear"):
+    with caplog.at_level(logging.INFO, logger="workers.model"):
         assert quantize_linears(model, CPU) == 2
     assert "2 of 3 linear layers quantized to int8" in caplog.text
     assert fits.quantized is not None and fits.weight is None

@@ -10,13 +10,12 @@ from pathlib import Path
 
 from workers.engine.orders import Side, order_names
 from workers.model.flash_rules import ATTENTION_BACKENDS, FLASH_PAGE_MULTIPLE, flash_refusal
+from workers.model.quantization import KV_CACHE_DTYPES, QUANTIZATIONS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = order_names(Side.ENGINE)  # the orders an engine serves (orders.py)
 BATCHING = ("continuous", "static")
 OVERLAP = ("auto", "on", "off")
-QUANTIZATIONS = ("none", "int8", "gguf", "fp8")  # of linear weights (workers/model/*_linear.py)
-KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: e4m3
 # What "auto" resolves to on each kind of device: a dtype and block size every backend there
 # takes (flash-attn's pages are 256 tokens; the fallbacks take any size). On a GPU older than
 # sm80, which has no bf16 arithmetic, the dtype is float16 instead (`EngineConfig.resolve`).

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from workers.model.linear import PackedLinear
+from workers.model.linear import PackedLinear, quantize_layers
 
 log = logging.getLogger(__name__)
 
@@ -88,21 +88,11 @@ def quantize_linears_fp8(model: nn.Module) -> int:
     GEMMs take), quantized to fp8 per output channel in place, one layer at a time; returns
     how many. The rest keep the model's dtype. The caller checks the device
     (`fp8_unavailable`)."""
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    done = 0
-    with torch.no_grad():
-        for m in layers:
-            n, k = m.weight.shape
-            if n % 16 or k % 16:
-                continue
-            q, scale = quantize_fp8(m.weight)
-            m.quantized = Fp8Weight(q, scale, m.bias)
-            m.weight = None  # the dense copy goes, unless shared (a tied lm_head's embedding)
-            done += 1
-    log.info(
-        "%d of %d linear layers quantized to fp8 e4m3 per output channel%s",
-        done,
-        len(layers),
-        "; the others keep the model's dtype" if done < len(layers) else "",
-    )
-    return done
+
+    def quantize(m: PackedLinear) -> Fp8Weight | None:
+        n, k = m.weight.shape
+        if n % 16 or k % 16:
+            return None
+        return Fp8Weight(*quantize_fp8(m.weight), m.bias)
+
+    return quantize_layers(model, quantize, "fp8 e4m3 per output channel")

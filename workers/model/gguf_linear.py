@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from workers.model.cpu_kernels import cpu_kernels
-from workers.model.int8_linear import int8_kernel, int8_unavailable
+from workers.model.int8_linear import int8_kernel
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +81,12 @@ def _concat(parts: list[BlockWeight]) -> BlockWeight:
     )
 
 
-def serve_stored(model: nn.Module, stored: dict, device: torch.device) -> int:
+def serve_stored(model: nn.Module, stored: dict) -> int:
     """Every linear layer of `model` whose checkpoint tensors came as stored GGUF blocks
     (`stored`: BlockWeight by HF name less `model.`, from `pack_stored`; all of a layer's
     parts or none, in one type), served by them as they are; returns how many. The rest keep
-    the model's dtype, for `pack_linears`, with a log line saying which and why."""
-    why_not = int8_unavailable(device, "gguf")
-    if why_not is not None:
-        raise ValueError(why_not)
+    the model's dtype, for `pack_linears`, with a log line saying which and why. The caller
+    checks the device (`int8_unavailable`) before the blocks are packed."""
     kernels = cpu_kernels()
     done, left = 0, []
     for module, names in model.linear_sources():
@@ -101,7 +99,6 @@ def serve_stored(model: nn.Module, stored: dict, device: torch.device) -> int:
             # all dense
             raise ValueError(f"{', '.join(names)}: only some came as stored blocks, or mixed")
         module.quantized = dataclasses.replace(_concat(parts), bias=module.bias)
-        module.packed = module.quantized.packed
         module.weight = None  # the dense copy goes, unless shared (a tied lm_head's embedding)
         done += 1
     kinds = sorted(

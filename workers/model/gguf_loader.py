@@ -145,6 +145,12 @@ class StoredBlocks:
     def four_bit(self) -> bool:
         return self.type_name != "Q8_0"
 
+    def dequantized(self) -> torch.Tensor:
+        """The weight in float32, as gguf's own dequantization gives it (each product exact)."""
+        q = self.q.float() - (8 if self.type_name == "Q4_0" else 0)
+        w = self.d.float().repeat_interleave(32, 1) * q
+        return w if self.m is None else w + self.m.float().repeat_interleave(32, 1)
+
 
 def _is_linear(gguf_name: str, cfg: ModelConfig) -> bool:
     """Whether a tensor is a linear layer's weight (the token embedding is one when tied)."""
@@ -178,8 +184,13 @@ def open_gguf(path: Path, stored: bool = False) -> tuple[ModelConfig, Iterator[t
 
 
 # The GGUF tensors that make one linear layer of Tandem's model, by their kind in a block.
-_FUSED = {"attn_q": "qkv", "attn_k": "qkv", "attn_v": "qkv", "ffn_gate": "gate_up"}
-_FUSED |= {"ffn_up": "gate_up"}
+_FUSED = {
+    "attn_q": "qkv",
+    "attn_k": "qkv",
+    "attn_v": "qkv",
+    "ffn_gate": "gate_up",
+    "ffn_up": "gate_up",
+}
 
 
 def served_as_stored(tensors, cfg: ModelConfig) -> set[str]:
@@ -218,8 +229,7 @@ def _stream(path: Path, reader, cfg: ModelConfig, served: set[str]):
             if t.name in served:
                 blocks = _read_blocks(f, path, t, n_head)
                 looked_up = t.name == "token_embd.weight"  # the embedding, and the tied lm_head
-                dense = torch.from_numpy(_dequantize(f, path, t, n_head)) if looked_up else None
-                yield name, dense, blocks
+                yield name, blocks.dequantized() if looked_up else None, blocks
                 continue
             # Yielded with no local bound to it: the consumer's drop frees it.
             yield name, torch.from_numpy(_dequantize(f, path, t, n_head))

@@ -110,9 +110,8 @@ def _stream(index: list[tuple[Path, str]], method: str | None, block) -> Iterato
         tensor = _read(f, name)
         if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             tensor = _dequantize_fp8(name, tensor, where, scale_suffix, block)
-        # Yielded with no local bound to it: the consumer's drop frees it.
         yield name, tensor
-        del tensor
+        del tensor  # before the next read: the consumer's drop then frees it
 
 
 def _dequantize_fp8(

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from workers.model.cpu_kernels import cpu_kernels, switched_off
-from workers.model.linear import PackedLinear
+from workers.model.linear import PackedLinear, quantize_layers
 
 log = logging.getLogger(__name__)
 
@@ -87,23 +87,13 @@ def quantize_linears(model: nn.Module, device: torch.device) -> int:
         raise ValueError(why_not)
     kernels = cpu_kernels()
     portable = int8_kernel(kernels) == "portable"
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.packed is None]
-    done = 0
-    with torch.no_grad():
-        for m in layers:
-            if not m.fits_int8_kernel():
-                continue
-            q, scale = quantize_int8(m.weight)
-            group = int8_group(q.shape[1])
-            m.quantized = Int8Weight(kernels.pack_linear_int8(q), scale, group, portable, kernels)
-            m.packed, m.kernels = m.quantized.packed, kernels
-            m.weight = None  # the dense copy goes, unless shared (a tied lm_head's embedding)
-            done += 1
-    log.info(
-        "%d of %d linear layers quantized to int8 (%s kernel)%s",
-        done,
-        len(layers),
-        int8_kernel(kernels),
-        "; the others keep the model's dtype" if done < len(layers) else "",
-    )
-    return done
+
+    def quantize(m: PackedLinear) -> Int8Weight | None:
+        if not m.fits_int8_kernel():
+            return None
+        q, scale = quantize_int8(m.weight)
+        group = int8_group(q.shape[1])
+        return Int8Weight(kernels.pack_linear_int8(q), scale, group, portable, kernels)
+
+    what = f"int8 ({int8_kernel(kernels)} kernel)"
+    return quantize_layers(model, quantize, what)

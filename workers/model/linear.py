@@ -77,6 +77,34 @@ class PackedLinear(nn.Linear):
         return self.bias is None and not w.shape[0] % 32 and not w.shape[1] % 32
 
 
+def quantize_layers(model: nn.Module, quantize, what: str) -> int:
+    """Each PackedLinear of `model` neither packed nor quantized yet, given the weight
+    `quantize(layer)` makes of its dense one (None: it keeps its dtype, for `pack_linears`),
+    one layer at a time, so that host memory holds one layer's working copy on top of the
+    model; the dense copy goes (unless shared: a tied lm_head's embedding). Logs how many of
+    them became `what`, and returns it."""
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, PackedLinear) and m.packed is None and m.quantized is None
+    ]
+    done = 0
+    with torch.no_grad():
+        for m in layers:
+            if (weight := quantize(m)) is None:
+                continue
+            m.quantized, m.weight = weight, None
+            done += 1
+    log.info(
+        "%d of %d linear layers quantized to %s%s",
+        done,
+        len(layers),
+        what,
+        "; the others keep the model's dtype" if done < len(layers) else "",
+    )
+    return done
+
+
 def packing_available(device: torch.device) -> str | None:
     """None when weights can be packed on this device, else why not."""
     if device.type != "cpu":
@@ -96,7 +124,11 @@ def pack_linears(model: nn.Module, device: torch.device) -> int:
     that cannot be packed keeps plain linears, and the reason is logged (on the CPU, as a
     warning: decode steps run about twice as slow without it)."""
     why_not = packing_available(device)
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.packed is None]
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, PackedLinear) and m.packed is None and m.quantized is None
+    ]
     if why_not is not None:
         if device.type == "cpu":
             log.warning("linear weights not packed for oneDNN (%s): slower decode steps", why_not)

