@@ -199,6 +199,12 @@ class ClusterConfig:
             raise bad("decode.replicas", "at least one decode worker is needed")
         if self.transfer_timeout_s <= 0:
             raise bad("transfer_timeout_s", "must be positive")
+        if self.engine.tp > 1:
+            raise bad(
+                "engine.tp",
+                f"{self.engine.tp}: the cluster's workers run one rank each for now; "
+                "tensor parallelism runs in the offline engine (tandem generate --offline --tp N)",
+            )
         for pool in (Pool.PREFILL, Pool.DECODE):
             a = self.pool(pool).autoscale
             if a.signal and a.signal not in SIGNALS[pool]:

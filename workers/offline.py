@@ -31,6 +31,10 @@ class LLM:
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop a tp > 1 engine's other ranks (they also stop when this process exits)."""
+        self.engine.close()
+
     def encode(self, req: GenerationRequest) -> list[int]:
         if req.prompt_ids is not None:
             return list(req.prompt_ids)

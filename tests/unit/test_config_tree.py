@@ -60,7 +60,20 @@ def get(cfg, path):
 
 
 def leaf_cases():
-    return [pytest.param(leaf, id=leaf.name) for leaf in config_io.leaves(ClusterConfig)]
+    """Every field a cluster takes other values of (an offline-only field takes its default
+    alone: test_offline_only_fields_are_refused_by_the_cluster)."""
+    return [
+        pytest.param(leaf, id=leaf.name)
+        for leaf in config_io.leaves(ClusterConfig)
+        if not leaf.field.metadata.get("offline_only")
+    ]
+
+
+def test_offline_only_fields_are_refused_by_the_cluster():
+    offline = [x for x in config_io.leaves(ClusterConfig) if x.field.metadata.get("offline_only")]
+    assert [x.name for x in offline] == ["engine.tp"]
+    with pytest.raises(ValueError, match=r"config field engine\.tp: 2: .*--offline --tp N"):
+        ClusterConfig(engine=EngineConfig(tp=2))
 
 
 def nest(path, value):

@@ -188,7 +188,20 @@ class EngineConfig:
         metadata=described("seeds the draw of per-request seeds for requests that set none"),
     )
     num_threads: int | None = field(
-        default=None, metadata=described("torch intra-op threads on CPU (default: torch's choice)")
+        default=None,
+        metadata=described(
+            "torch intra-op threads on CPU, per rank under tp > 1 (default: torch's choice; "
+            "under tp > 1, the process's CPUs shared out)"
+        ),
+    )
+    tp: int = field(
+        default=1,
+        metadata=described(
+            "tensor-parallel ranks: the model's heads, MLP and vocabulary split over this "
+            "many processes (a GPU each on CUDA, from the device's index on); the offline "
+            "engine only for now",
+            offline_only=True,
+        ),
     )
     cuda_graphs: bool = field(
         default=True,
@@ -262,6 +275,13 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len}: must be > 1")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads={self.num_threads}: must be positive")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"tp={self.tp!r}: must be a whole number of ranks, 1 or more")
+        if self.tp > 1 and self.quantization == "gguf":
+            raise ValueError(
+                "quantization='gguf' serves a GGUF's blocks whole, on one rank: with tp > 1, "
+                "choose quantization 'int8' or 'none'"
+            )
         self.scheduler(self.max_model_len or 8192)  # its checks name engine fields too
 
     def _check_flash(self) -> None:

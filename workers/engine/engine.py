@@ -55,8 +55,10 @@ from workers.engine.request import (
 from workers.engine.scheduler import Scheduler
 from workers.engine.scheduler_output import SampledToken, SchedulerOutput
 from workers.engine.stop_strings import StopStringMatcher
+from workers.engine.tp_ranks import Followers
 from workers.model.llama import LlamaForCausalLM
-from workers.model.loader import build_model, resolve_model
+from workers.model.loader import build_model, read_model_config, resolve_model
+from workers.model.tensor_parallel import tp_refusal
 from workers.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -81,24 +83,39 @@ class LLMEngine:
         `make_graph`: capture decode graphs with it, on any device (tests use EagerReplay);
         by default CUDA graphs on CUDA, unless config.cuda_graphs is off."""
         config = self.config = config.resolve()
-        if config.num_threads and config.device == "cpu":
-            torch.set_num_threads(config.num_threads)
+        # Under tp > 1, ranks 1.. start now and load their parts while this one loads its own.
+        self.followers = self._start_ranks(config, model)
+        threads = config.num_threads
+        if self.followers is not None:
+            threads = self.followers.settings.threads
+        if threads and config.device == "cpu":
+            torch.set_num_threads(threads)
         device = indexed(config.device)  # "cuda" pinned to a GPU: set_device needs its index
         if device.type == "cuda":
             torch.cuda.set_device(device)  # this thread's current device: the loop's
         self.source = resolve_model(config.model) if model is None or tokenizer is None else None
         self.tokenizer = tokenizer or Tokenizer(self.source)
-        if model is None:
-            model = build_model(
-                self.source,
-                getattr(torch, config.dtype),
-                device,
-                quantization=config.quantization,
-            )
+        ranks = None
+        try:
+            if model is None:
+                model = build_model(
+                    self.source,
+                    getattr(torch, config.dtype),
+                    device,
+                    quantization=config.quantization,
+                    tp=(0, config.tp),
+                )
+            if self.followers is not None:
+                ranks = self.followers.connect(device)
+                model.use_collectives(ranks.collectives)
+        except BaseException:
+            self.close()
+            raise
         self.model_config = model.cfg
         self.max_model_len = config.context_len(model.cfg.max_position_embeddings)
+        # Under tp > 1, per rank: rank 0's KV heads are the most any rank holds.
         num_blocks = config.num_kv_blocks or config.kv_blocks(
-            model.cfg.num_layers, model.cfg.kv_size
+            model.cfg.num_layers, model.local_cfg.kv_size
         )
         graphs = None
         if make_graph is not None or (device.type == "cuda" and config.cuda_graphs):
@@ -111,6 +128,7 @@ class LLMEngine:
             config.attention_backend,
             graphs,
             kv_dtype=torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else None,
+            ranks=ranks,
         )
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler(self.max_model_len), self.pool)
@@ -146,6 +164,32 @@ class LLMEngine:
             self.runner.backend.name,
             ", decode in CUDA graphs" if self.runner.graphs else "",
         )
+        if self.followers is not None:
+            log.info("tp %d: ranks 1.. are pids %s", config.tp, self.followers.pids)
+
+    @staticmethod
+    def _start_ranks(config: EngineConfig, model: LlamaForCausalLM | None) -> Followers | None:
+        """Under tp > 1, the other ranks' processes, started (tp_ranks.py); else None."""
+        if config.tp == 1:
+            return None
+        if model is not None:
+            raise ValueError("a model passed in is one rank's: tp > 1 loads its own parts")
+        why = tp_refusal(read_model_config(resolve_model(config.model)), config.tp)
+        if why is not None:  # before any rank starts
+            raise ValueError(why)
+        if config.device.startswith("cuda"):
+            first = torch.device(config.device).index or 0
+            if first + config.tp > torch.cuda.device_count():
+                raise ValueError(
+                    f"tp={config.tp} needs GPUs {first}..{first + config.tp - 1}; "
+                    f"{torch.cuda.device_count()} are visible"
+                )
+        return Followers(config)
+
+    def close(self) -> None:
+        """Stop the other ranks of a tp > 1 engine (nothing to do under tp 1)."""
+        if getattr(self, "followers", None) is not None:
+            self.followers.close()
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(

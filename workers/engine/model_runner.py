@@ -26,6 +26,7 @@ from workers.engine.sampler import SamplerOutput, sample
 from workers.engine.sampling_inputs import SamplingColumns
 from workers.engine.scheduler_output import SampledToken, ScheduledRequest, SchedulerOutput
 from workers.engine.step_io import Fetched, StepInputs, fetch
+from workers.engine.tp_ranks import RankLink
 from workers.model.attention import AttentionMetadata, PrefillSlice, select_backend
 from workers.model.llama import LlamaForCausalLM
 
@@ -66,10 +67,30 @@ class ModelRunner:
         attention_backend: str = "auto",
         graphs: GraphSettings | None = None,
         kv_dtype: torch.dtype | None = None,
+        ranks: RankLink | None = None,
     ) -> None:
         """`graphs`: replay decode steps from CUDA graphs (when the backend allows it).
-        `kv_dtype`: the KV cache's, if not the model's (torch.float8_e4m3fn)."""
-        cfg = model.cfg
+        `kv_dtype`: the KV cache's, if not the model's (torch.float8_e4m3fn). `ranks`: this
+        rank's link to the others of a tensor-parallel engine (tp_ranks.py): rank 0 sends
+        them each step it runs, the others run the steps it sends."""
+        cfg = model.local_cfg  # this rank's heads, under tp > 1
+        self.ranks = ranks
+        self.leads = ranks is not None and ranks.rank == 0
+        if self.leads:
+            ranks.send(
+                (
+                    "init",
+                    dict(
+                        num_blocks=num_blocks,
+                        block_size=block_size,
+                        attention_backend=attention_backend,
+                        kv_dtype=kv_dtype,
+                    ),
+                )
+            )
+        if ranks is not None and graphs is not None:
+            log.info("decode steps run eagerly: tp %d ranks replay no graphs yet", ranks.size)
+            graphs = None
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -128,7 +149,12 @@ class ModelRunner:
         grammar row's mask (built on the host, and sent as it is).
 
         A row whose last token is PENDING (a decode scheduled while the step that draws
-        that token ran) takes it from `prev`'s sampled ids, on the device."""
+        that token ran) takes it from `prev`'s sampled ids, on the device.
+
+        Under tp > 1, rank 0 sends the step to the other ranks first, and its sampled ids
+        after; they run the same step on their parts and sample nothing."""
+        if self.leads:
+            self.ranks.send(("launch", out))
         scheduled = out.scheduled
         input_ids, positions, slots = [], [], []
         fill_at, fill_from = [], []  # rows of PENDING tokens; prev's sampled rows to read
@@ -151,7 +177,8 @@ class ModelRunner:
                     rows.append(offset - 1)
                     samplers.append(fork_row(s, i))
         # Constrained rows' masks are built on a helper thread while the model runs.
-        masks = self._start_masks(samplers)
+        follows = self.ranks is not None and not self.leads
+        masks = None if follows else self._start_masks(samplers)
         try:
             inputs = StepInputs(self.device)
             copies = [inputs.add([c[i] for c in out.block_copies]) for i in (0, 1)]
@@ -182,6 +209,10 @@ class ModelRunner:
             if not rows:
                 return LaunchedStep(self, [], None, None)
             logits = self.model.compute_logits(hidden.index_select(0, cols[row_col]))
+            if follows:  # rank 0 samples; its ids come back for the next step's PENDING rows
+                ids = torch.empty(len(rows), dtype=torch.long, device=self.device)
+                drawn = SamplerOutput(token_ids=self.ranks.share_tokens(ids), logprobs=None)
+                return LaunchedStep(self, samplers, drawn, None)
             t = sampling.tensors(cols)
             if masks is not None:
                 filled = masks.result()
@@ -190,6 +221,8 @@ class ModelRunner:
                     self.grammar.allowed(filled, logits.shape[-1]),
                 )
             result = sample(logits, t)
+            if self.leads:
+                self.ranks.share_tokens(result.token_ids)
         except BaseException:  # a step that raised leaves no fill running beside the next one
             if masks is not None:
                 masks.exception()
@@ -261,6 +294,8 @@ class ModelRunner:
     def prompt_logits(self, token_ids: list[int], blocks: list[int]) -> torch.Tensor:
         """Teacher-forced logits ([len, vocab], fp32) of `token_ids` prefilled whole into
         `blocks` (enough of them, held by the caller), outside any scheduled step."""
+        if self.leads:
+            self.ranks.send(("prompt_logits", list(token_ids), list(blocks)))
         sched = ScheduledRequest(
             "logits", list(token_ids), 0, blocks, True, SamplingParams(temperature=0), 0, 0
         )

@@ -21,6 +21,7 @@ from workers.model.attention.base import AttentionBackend, AttentionMetadata
 from workers.model.config import CheckpointError, ModelConfig
 from workers.model.linear import PackedLinear
 from workers.model.rope import RotaryEmbedding
+from workers.model.tensor_parallel import Collectives, Shard
 
 
 class RMSNorm(nn.Module):
@@ -49,6 +50,7 @@ class DecoderLayer(nn.Module):
         self.down_proj = PackedLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
         self.ops = None  # fused layer ops, once LlamaForCausalLM.use_fused_ops sets them
+        self.comm = Collectives.single()  # joins O's and down's partial sums under tp > 1
 
     def _qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as `[T, heads, head_dim]` views of the fused projection's columns."""
@@ -65,9 +67,9 @@ class DecoderLayer(nn.Module):
         q, k, v = self._qkv(self.input_layernorm(x))
         q, k = rope(positions, q, k)
         attn = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        x = x + self.o_proj(attn.reshape(-1, cfg.q_size))
+        x = x + self.comm.all_reduce(self.o_proj(attn.reshape(-1, cfg.q_size)))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        return x + self.comm.all_reduce(self.down_proj(F.silu(gate) * up))
 
     def forward_fused(self, delta, residual, positions, rope, backend, k_cache, v_cache, meta):
         """The same layer on fused ops (`self.ops`: the CPU kernels, or Triton's on CUDA), in
@@ -91,36 +93,68 @@ class DecoderLayer(nn.Module):
             ops.rotary_inplace(q, positions, rope.cos, rope.sin)
             ops.rotary_inplace(k, positions, rope.cos, rope.sin)
         attn = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        o = self.o_proj(attn.reshape(-1, cfg.q_size))
+        o = self.comm.all_reduce(self.o_proj(attn.reshape(-1, cfg.q_size)))
         norm = self.post_attention_layernorm
         h = ops.add_rms_norm(o, residual, norm.weight, norm.eps)
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(h))), residual
+        mlp = self.down_proj(ops.silu_and_mul(self.gate_up_proj(h)))
+        return self.comm.all_reduce(mlp), residual
 
 
 class _Slot(NamedTuple):
     """Where one HF-named checkpoint tensor goes: `rows` rows of `param` from `start` (all of
-    `param` when `rows` is None)."""
+    `param` when `rows` is None). `take`: under tp > 1, the (dim, start, length) of the
+    checkpoint tensor this rank holds (None: all of it)."""
 
     param: torch.Tensor
     start: int = 0
     rows: int | None = None
+    take: tuple[int, int, int] | None = None
 
     def view(self) -> torch.Tensor:
         return self.param if self.rows is None else self.param.narrow(0, self.start, self.rows)
 
+    def part(self, value: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the checkpoint tensor `value` (a view: a safetensors tensor
+        mapped from its file is read only where the part lies)."""
+        return value if self.take is None else value.narrow(*self.take)
+
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, shard: Shard | None = None) -> None:
+        """`shard`: this rank's part of a tensor-parallel model (tensor_parallel.py); its
+        layers are built for `local_cfg`, its heads and MLP width. `cfg` stays the whole
+        model's."""
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.shard = shard or Shard.of(cfg, 0, 1)
+        self.local_cfg = local = self.shard.local_config(cfg)
+        vocab = self.shard.vocab[1]
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(local) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = PackedLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = PackedLinear(cfg.hidden_size, vocab, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.ops = None
+        self.comm = Collectives.single()
+
+    def use_collectives(self, comm: Collectives) -> None:
+        """Join the ranks' partial results through `comm` (a tensor-parallel model's)."""
+        self.comm = comm
+        for layer in self.layers:
+            layer.comm = comm
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Each id's embedding row; under tp > 1, from the rank whose vocabulary holds it (the
+        others add zeros)."""
+        if self.shard.size == 1:
+            return self.embed_tokens(input_ids)
+        start, count = self.shard.vocab
+        local = input_ids - start
+        mine = (local >= 0) & (local < count)
+        x = self.embed_tokens(local.clamp(0, max(count - 1, 0)))
+        return self.comm.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
 
     @torch.inference_mode()
     def forward(
@@ -134,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token. `layer_done(i)` is
         called once layer i has written this step's KV."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         if self.ops is not None:
             if getattr(self.ops, "writes_kv", False):  # each layer's K/V go in with its rotary
                 meta = dataclasses.replace(meta, kv_written=True)
@@ -161,7 +195,9 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden, float_out=True)
+        """fp32 logits over the whole vocabulary (under tp > 1, every rank's range joined)."""
+        logits = self.lm_head(hidden, float_out=True)
+        return self.comm.all_gather_columns(logits, self.cfg.vocab_size)
 
     def materialize(self, device: torch.device, dtype: torch.dtype) -> None:
         """Real storage for a model built on the meta device: every parameter an empty tensor
@@ -185,25 +221,31 @@ class LlamaForCausalLM(nn.Module):
     def _slots(self) -> dict[str, _Slot]:
         """Every tensor the checkpoint must supply, by HF name less `model.`, in the order a
         missing one is reported."""
-        cfg = self.cfg
-        slots = {"embed_tokens.weight": _Slot(self.embed_tokens.weight)}
+        cfg, local = self.cfg, self.local_cfg
+        split = self.shard.size > 1
+
+        def take(dim: int, part: str) -> tuple[int, int, int] | None:
+            return (dim, *self.shard.rows(part, cfg)) if split else None
+
+        vocab = take(0, "vocab")
+        slots = {"embed_tokens.weight": _Slot(self.embed_tokens.weight, take=vocab)}
         slots["norm.weight"] = _Slot(self.norm.weight)
         if not cfg.tie_word_embeddings:
-            slots["lm_head.weight"] = _Slot(self.lm_head.weight)
-        qkv_rows = {"q": (0, cfg.q_size), "k": (cfg.q_size, cfg.kv_size)}
-        qkv_rows["v"] = (cfg.q_size + cfg.kv_size, cfg.kv_size)
+            slots["lm_head.weight"] = _Slot(self.lm_head.weight, take=vocab)
+        qkv_rows = {"q": (0, local.q_size, "q"), "k": (local.q_size, local.kv_size, "kv")}
+        qkv_rows["v"] = (local.q_size + local.kv_size, local.kv_size, "kv")
         for i, layer in enumerate(self.layers):
             attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
             suffixes = ("weight", "bias") if cfg.qkv_bias else ("weight",)
             for suffix in suffixes:
                 fused = getattr(layer.qkv_proj, suffix)
-                for n, (start, rows) in qkv_rows.items():
-                    slots[f"{attn}{n}_proj.{suffix}"] = _Slot(fused, start, rows)
-            slots[attn + "o_proj.weight"] = _Slot(layer.o_proj.weight)
-            n = cfg.intermediate_size
-            slots[mlp + "gate_proj.weight"] = _Slot(layer.gate_up_proj.weight, 0, n)
-            slots[mlp + "up_proj.weight"] = _Slot(layer.gate_up_proj.weight, n, n)
-            slots[mlp + "down_proj.weight"] = _Slot(layer.down_proj.weight)
+                for n, (start, rows, part) in qkv_rows.items():
+                    slots[f"{attn}{n}_proj.{suffix}"] = _Slot(fused, start, rows, take(0, part))
+            slots[attn + "o_proj.weight"] = _Slot(layer.o_proj.weight, take=take(1, "q"))
+            n, cols = local.intermediate_size, take(0, "mlp")
+            slots[mlp + "gate_proj.weight"] = _Slot(layer.gate_up_proj.weight, 0, n, cols)
+            slots[mlp + "up_proj.weight"] = _Slot(layer.gate_up_proj.weight, n, n, cols)
+            slots[mlp + "down_proj.weight"] = _Slot(layer.down_proj.weight, take=take(1, "mlp"))
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 slots[f"layers.{i}.{norm}.weight"] = _Slot(getattr(layer, norm).weight)
         covered = {id(s.param) for s in slots.values()}
@@ -247,7 +289,8 @@ class LlamaForCausalLM(nn.Module):
                 name = full_name.removeprefix("model.")
                 if name in slots:
                     if value is not None:  # None: served from elsewhere (`StoredBlocks`)
-                        _copy_into(slots[name].view(), value, name, source)
+                        slot = slots[name]
+                        _copy_into(slot.view(), slot.part(value), name, source)
                     filled.add(name)
                 del value  # before the stream reads the next one
         for name in slots:

