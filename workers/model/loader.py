@@ -134,10 +134,10 @@ def assemble_model(
 ) -> LlamaForCausalLM:
     """A model of `cfg` (or of `shard`'s part of it) on `device` in `dtype`, filled from
     HF-named tensors as they come (`source` names them in errors); on the CPU, its linears
-    packed for the CPU kernels, with quantization 'int8' quantized per output channel, or with 'gguf' served by the blocks
-    that come with them (a stream of `open_checkpoint(src, stored=True)`); on CUDA, with
-    'fp8', quantized to fp8 e4m3 per output channel (int8_linear.py, gguf_linear.py,
-    fp8_linear.py)."""
+    packed for the CPU kernels, with quantization 'int8' quantized per output channel, or
+    with 'gguf' served by the blocks that come with them (a stream of
+    `open_checkpoint(src, stored=True)`); on CUDA, with 'fp8', quantized to fp8 e4m3 per
+    output channel (int8_linear.py, gguf_linear.py, fp8_linear.py)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r}: choose from {', '.join(QUANTIZATIONS)}")
     if quantization == "fp8" and (why_not := fp8_unavailable(device)) is not None:

@@ -60,9 +60,7 @@ class ShmCollectives(Collectives):
     """`Collectives` over a /dev/shm mapping that every rank has opened (`create_segment`;
     rank 0 unlinks the file once all have, so nothing is left behind by a crash)."""
 
-    def __init__(
-        self, path: str, rank: int, size: int, timeout_s: float, peers_alive=None
-    ) -> None:
+    def __init__(self, path: str, rank: int, size: int, timeout_s: float, peers_alive=None) -> None:
         """`peers_alive()`: False once a rank this one may wait for is known dead (asked a
         few times a second while waiting), which ends the wait at once."""
         super().__init__(None, size)
