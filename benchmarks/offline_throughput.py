@@ -70,6 +70,7 @@ def run_tandem(job: dict, batching: str) -> list[dict]:
             dtype=job["dtype"],
             quantization=job.get("quantization", "none"),
             kv_cache_dtype=job.get("kv_cache_dtype", "auto"),
+            tp=job.get("tp", 1),
             max_num_seqs=job["max_batch"],
             batching=batching,
             max_model_len=job["max_model_len"],
@@ -250,6 +251,12 @@ def main() -> None:
         help="Tandem's KV cache, comma-separated (auto, fp8): each Tandem system once per "
         "value, and per --quantization value",
     )
+    p.add_argument(
+        "--tp",
+        default="1",
+        help="Tandem's tensor-parallel ranks, comma-separated: each Tandem system once per "
+        "value (tp 2 on two cores runs a rank per core, one thread each)",
+    )
     p.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     p.add_argument(
         "--vllm-threads",
@@ -269,8 +276,14 @@ def main() -> None:
         p.error(f"unknown systems: {', '.join(sorted(unknown))}")
     try:
         runs = quantized_runs(systems, args.quantization, args.kv_cache_dtype)
+        tps = [int(t) for t in args.tp.split(",")]
     except ValueError as e:
         p.error(str(e))
+    runs = [
+        (label + (f"-tp{tp}" if tp > 1 else ""), s, {**settings, "tp": tp} if tp > 1 else settings)
+        for label, s, settings in runs
+        for tp in (tps if s.startswith("tandem") else [1])
+    ]
     model_dir = export_default_model(RESULTS / "smollm2-135m-instruct-hf")
     requests = load_workload(Path(args.workload), model_dir, args.limit)
     job = {
@@ -325,6 +338,7 @@ def main() -> None:
         "runs": args.runs,
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "tp": args.tp,
         "machine": job["machine"],
     }
     args.out.write_text(json.dumps({"config": meta, "results": results}, indent=2))

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,9 +27,11 @@ from workers.engine.sampler import SamplerOutput, sample
 from workers.engine.sampling_inputs import SamplingColumns
 from workers.engine.scheduler_output import SampledToken, ScheduledRequest, SchedulerOutput
 from workers.engine.step_io import Fetched, StepInputs, fetch
-from workers.engine.tp_ranks import RankLink
 from workers.model.attention import AttentionMetadata, PrefillSlice, select_backend
 from workers.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from workers.engine.tp_ranks import RankLink  # which runs a ModelRunner on every rank
 
 log = logging.getLogger(__name__)
 
