@@ -132,6 +132,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             for c in range(r.sampling.n)
         ]
         results = llm.generate(requests, on_delta=_OrderedPrinter(headers))
+    llm.close()
     return 1 if any(c.finish_reason == "error" for c in results) else 0
 
 

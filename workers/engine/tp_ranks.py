@@ -195,7 +195,8 @@ class Followers:
             p.stdin.write(blob.encode() + b"\n")
             p.stdin.close()
         self.link: RankLink | None = None
-        self._finalizer = weakref.finalize(self, _stop, self.procs)
+        # Unless closed first, the ranks are stopped at once when this goes (or at exit).
+        self._finalizer = weakref.finalize(self, _stop, self.procs, 0.0)
         log.info("tp %d: started ranks 1..%d, pids %s", size, size - 1, self.pids)
 
     @property
@@ -242,21 +243,25 @@ class Followers:
 
     def close(self) -> None:
         """Ask the ranks to stop, and stop those that do not within a few seconds."""
+        grace = 0.0
         if self.link is not None and all(self.alive()):
             try:
                 self.link.send(("close",))
+                grace = 5.0
             except Exception as e:  # a rank already gone: stopped below
                 log.debug("tp close message not delivered: %s", e)
         self.link = None
+        _stop(self.procs, grace)
         self._finalizer()
         if self.settings.shm is not None and os.path.exists(self.settings.shm):
             os.unlink(self.settings.shm)  # the ranks never all opened it
 
 
-def _stop(procs) -> None:
+def _stop(procs, grace_s: float) -> None:
+    """Each rank gone: given `grace_s` to exit on its own, then terminated, then killed."""
     for p in procs:
         try:
-            p.wait(5.0)
+            p.wait(grace_s)
         except subprocess.TimeoutExpired:
             p.terminate()
             try:
