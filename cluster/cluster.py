@@ -226,7 +226,9 @@ class Cluster:
         )
         await self.router.start()
         # The longest sequence the workers take: a longer one is refused here, as invalid.
-        max_len = cfg.engine.context_len(model_cfg.max_position_embeddings)
+        max_len = min(
+            cfg.engine_for(p).context_len(model_cfg.max_position_embeddings) for p in cfg.pools
+        )
         self.server, self.port, self.controller = await start_server(
             self.router,
             cfg.router.port,

@@ -5,14 +5,16 @@ fields (cluster/config_io.py), and validated once, with errors that name the fie
 
     mode: disaggregated
     engine: {dtype: bfloat16, kv_cache_gb: 1.0}
-    prefill: {replicas: 1, threads: 2}
-    decode: {replicas: 1}
+    prefill: {replicas: 1, threads: 2, engine: {prefill_chunk_size: 1024}}
+    decode: {replicas: 1, engine: {max_num_seqs: 128}}
     router: {port: 50051}
     redis: {url: null}          # null: an embedded redis-server in data_dir
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field, replace
 
 from cluster import config_io
@@ -76,6 +78,32 @@ class AutoscaleConfig:
         return signal, self.target or SIGNALS[pool][signal]
 
 
+# Engine fields a pool cannot set for itself: the cluster serves one model, and a pool's
+# device follows from its GPUs.
+CLUSTER_WIDE = ("model", "device")
+# What a KV handoff carries blocks of: the two pools of a disaggregated cluster must agree.
+KV_LAYOUT = ("dtype", "kv_cache_dtype", "block_size")
+
+
+def _engine_overrides() -> type:
+    """`EngineOverrides`: each engine field but CLUSTER_WIDE's, unset (None) by default, for
+    a pool's `engine:` section, which overrides the shared one field by field."""
+    hints = typing.get_type_hints(EngineConfig)
+    fields = []
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in CLUSTER_WIDE:
+            continue
+        meta = dict(f.metadata)
+        meta["help"] = f"{meta.get('help', '')} (this pool's; default: engine.{f.name})"
+        fields.append((f.name, hints[f.name] | None, field(default=None, metadata=meta)))
+    cls = dataclasses.make_dataclass("EngineOverrides", fields, frozen=True)
+    cls.__module__ = __name__  # where pickle finds it (a config crosses to Ray actors)
+    return cls
+
+
+EngineOverrides = _engine_overrides()
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     replicas: int = field(
@@ -106,6 +134,7 @@ class PoolConfig:
         ),
     )
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    engine: EngineOverrides = field(default_factory=EngineOverrides)
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
@@ -199,12 +228,6 @@ class ClusterConfig:
             raise bad("decode.replicas", "at least one decode worker is needed")
         if self.transfer_timeout_s <= 0:
             raise bad("transfer_timeout_s", "must be positive")
-        if self.engine.tp > 1:
-            raise bad(
-                "engine.tp",
-                f"{self.engine.tp}: the cluster's workers run one rank each for now; "
-                "tensor parallelism runs in the offline engine (tandem generate --offline --tp N)",
-            )
         for pool in (Pool.PREFILL, Pool.DECODE):
             a = self.pool(pool).autoscale
             if a.signal and a.signal not in SIGNALS[pool]:
@@ -214,7 +237,38 @@ class ClusterConfig:
                 )
         if self.metrics_export_port is not None and not 0 < self.metrics_export_port < 65536:
             raise bad("metrics_export_port", "must be a TCP port")
+        self._check_pool_engines(bad)
         self._check_devices(bad)
+
+    def _check_pool_engines(self, bad) -> None:
+        """Each pool's engine, the shared section with its own fields over it, is valid; the
+        two pools agree on what the KV handoff carries; no pool asks for tp > 1 yet."""
+        engines = {}
+        for pool in self.pools:
+            try:
+                engines[pool] = self.engine_for(pool)
+            except ValueError as e:
+                raise bad(f"{pool.value}.engine", str(e)) from None
+            tp = engines[pool].tp
+            if tp > 1:
+                own = self.pool(pool).engine.tp is not None
+                name = f"{pool.value}.engine.tp" if own else "engine.tp"
+                raise bad(
+                    name,
+                    f"{tp}: the cluster's workers run one rank each for now; tensor "
+                    "parallelism runs in the offline engine (tandem generate --offline --tp N)",
+                )
+        if self.mode is not Mode.DISAGGREGATED:
+            return
+        prefill, decode = engines[Pool.PREFILL], engines[Pool.DECODE]
+        for name in KV_LAYOUT:
+            mine, theirs = getattr(prefill, name), getattr(decode, name)
+            if mine != theirs:
+                raise bad(
+                    f"prefill.engine.{name}",
+                    f"{mine!r} against the decode pool's {theirs!r}: a KV handoff carries "
+                    f"blocks of one layout, so both pools need one {name} (set engine.{name})",
+                )
 
     def _check_devices(self, bad) -> None:
         """Each worker's device follows from the engine's and its pool's GPUs. A CUDA worker
@@ -260,13 +314,16 @@ class ClusterConfig:
             )
 
     def engine_for(self, pool: Pool) -> EngineConfig:
-        """The engine config a worker of this pool runs: device and block size resolved
+        """The engine config a worker of this pool runs: the shared `engine:` section with
+        the pool's own `engine:` fields over it; device and block size resolved
         (device auto: CUDA if the pool declares GPUs), threads on CPU, no decode graphs on
         prefill workers. A dtype left auto on CUDA stays so: the worker picks it for its own
         GPU (bf16 from sm80, else fp16), which the machine reading the config may not have."""
         p = self.pool(pool)
-        engine = self.engine.resolve(cuda=p.gpus >= 1)
-        if engine.device != "cpu" and self.engine.dtype == "auto":
+        own = {k: v for k, v in dataclasses.asdict(p.engine).items() if v is not None}
+        shared = replace(self.engine, **own) if own else self.engine
+        engine = shared.resolve(cuda=p.gpus >= 1)
+        if engine.device != "cpu" and shared.dtype == "auto":
             engine = replace(engine, dtype="auto")
         if pool is Pool.PREFILL and self.mode is Mode.DISAGGREGATED:
             # A prefill worker stops each request at its first token: it never runs a step of

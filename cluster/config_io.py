@@ -197,7 +197,10 @@ def _convert(leaf: Leaf, value, where: str):
     def bad(why: str) -> ConfigError:
         return ConfigError(f"{where}: {leaf.name}={value!r}: {why}")
 
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+    named = isinstance(value, str) and value in (choices(leaf) or ())  # quantization: none
+    if value is None or (
+        isinstance(value, str) and value.lower() in ("none", "null") and not named
+    ):
         if leaf.optional:
             return None
         raise bad("a value is required")

@@ -8,8 +8,9 @@ import pytest
 
 from cluster import config_io
 from cluster.cli import build_parser
-from cluster.config import FLAT, ClusterConfig, load_config
+from cluster.config import FLAT, KV_LAYOUT, ClusterConfig, load_config
 from workers.engine.config import EngineConfig
+from workers.messages import Pool
 
 
 def other_value(leaf: config_io.Leaf):
@@ -33,8 +34,9 @@ def other_value(leaf: config_io.Leaf):
         "router.tenants.tier_ttft_slo_ms": {"0": 500.0},
         "router.tenants.tier_tpot_slo_ms": {"0": 50.0},
     }
-    if leaf.name in special:
-        return special[leaf.name]
+    name = leaf.name.replace("prefill.engine.", "engine.").replace("decode.engine.", "engine.")
+    if name in special:  # a pool's engine field takes what the shared one does
+        return special[name]
     base = leaf.base
     if base is bool:
         return not default
@@ -71,9 +73,50 @@ def leaf_cases():
 
 def test_offline_only_fields_are_refused_by_the_cluster():
     offline = [x for x in config_io.leaves(ClusterConfig) if x.field.metadata.get("offline_only")]
-    assert [x.name for x in offline] == ["engine.tp"]
+    assert [x.name for x in offline] == ["engine.tp", "prefill.engine.tp", "decode.engine.tp"]
     with pytest.raises(ValueError, match=r"config field engine\.tp: 2: .*--offline --tp N"):
         ClusterConfig(engine=EngineConfig(tp=2))
+    with pytest.raises(ValueError, match=r"config field decode\.engine\.tp: 2: .*one rank"):
+        config_io.load(ClusterConfig, None, {"decode": {"engine": {"tp": 2}}})
+
+
+def test_a_pools_engine_fields_override_the_shared_ones_for_that_pool_alone(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(
+        "engine: {max_num_seqs: 32, prefill_chunk_size: 256}\n"
+        "prefill: {engine: {prefill_chunk_size: 1024}}\n"
+        "decode: {engine: {max_num_seqs: 96, policy: priority}}\n"
+    )
+    parser = argparse.ArgumentParser()
+    config_io.add_flags(parser, ClusterConfig, FLAT)
+    cfg = load_config(str(f), parser.parse_args(["--decode-max-num-seqs", "128"]))
+    prefill, decode = (cfg.engine_for(p) for p in (Pool.PREFILL, Pool.DECODE))
+    assert (prefill.max_num_seqs, prefill.prefill_chunk_size, prefill.policy) == (32, 1024, "fcfs")
+    assert (decode.max_num_seqs, decode.prefill_chunk_size, decode.policy) == (128, 256, "priority")
+    # A choice spelled like null is the choice: the pool's full-width weights, not the shared int8.
+    f.write_text("engine: {quantization: int8}\nprefill: {engine: {quantization: none}}\n")
+    cfg = load_config(str(f))
+    assert cfg.engine_for(Pool.PREFILL).quantization == "none"
+    assert cfg.engine_for(Pool.DECODE).quantization == "int8"
+
+
+@pytest.mark.parametrize("name,value", [("block_size", 32), ("dtype", "bfloat16")])
+def test_pools_that_would_hand_off_kv_of_two_layouts_are_refused_naming_the_field(name, value):
+    with pytest.raises(ValueError, match=rf"config field prefill\.engine\.{name}: .*one layout"):
+        config_io.load(ClusterConfig, None, {"prefill": {"engine": {name: value}}})
+    both = {p: {"engine": {name: value}} for p in ("prefill", "decode")}
+    assert getattr(config_io.load(ClusterConfig, None, both).engine_for(Pool.DECODE), name) == value
+    colocated = {"mode": "colocated", "decode": {"engine": {name: value}}}
+    assert (
+        getattr(config_io.load(ClusterConfig, None, colocated).engine_for(Pool.DECODE), name)
+        == value
+    )
+
+
+def test_a_pools_invalid_engine_is_refused_naming_the_pool():
+    bad = {"enable_chunked_prefill": False, "prefill_share": 0.5}
+    with pytest.raises(ValueError, match=r"decode\.engine: prefill_share .* enable_chunked"):
+        config_io.load(ClusterConfig, None, {"decode": {"engine": bad}})
 
 
 def nest(path, value):
@@ -92,6 +135,9 @@ def companions(leaf, value) -> dict:
         return {"prefill.gpus": 1.0, "decode.gpus": 1.0}
     if leaf.name in ("prefill.gpus", "decode.gpus"):
         return {"prefill.gpus": value, "decode.gpus": value}
+    pool_field = leaf.name.split(".engine.")
+    if len(pool_field) == 2 and pool_field[1] in KV_LAYOUT:  # both pools carry one layout
+        return {f"{p}.engine.{pool_field[1]}": value for p in ("prefill", "decode")}
     if leaf.name.startswith("router.tls_"):  # a certificate and its key go together
         return {"router.tls_cert": "cert.pem", "router.tls_key": "key.pem", leaf.name: value}
     return {}
