@@ -89,25 +89,45 @@ def quantizations(text: str, choices: tuple[str, ...] | None = None, flag="--qua
     return values
 
 
+def add_tp_flag(parser) -> None:
+    """--tp, for the benchmarks that run Tandem's offline engine (quantized_runs reads it)."""
+    parser.add_argument(
+        "--tp",
+        default="1",
+        help="Tandem's tensor-parallel ranks, comma-separated: each Tandem system once per "
+        "value, labelled -tpN (the threads are shared out among a run's ranks)",
+    )
+
+
 def quantized_runs(
-    systems: list[str], quantization: str, kv_cache_dtype: str = "auto"
+    systems: list[str], quantization: str, kv_cache_dtype: str = "auto", tp: str = "1"
 ) -> list[tuple[str, str, dict]]:
     """(label, system, settings) for each run: every Tandem system that runs Tandem's CPU
-    kernels once per --quantization and --kv-cache-dtype pair (labelled `system-int8`,
-    `system-fp8kv`, `system-int8-fp8kv` and so on; `none` and `auto` keep the system's name),
-    every other system once, at full width. settings: the engine's quantization and
-    kv_cache_dtype."""
+    kernels once per --quantization, --kv-cache-dtype and --tp value (labelled `system-int8`,
+    `system-fp8kv`, `system-int8-fp8kv-tp2` and so on; `none`, `auto` and 1 keep the
+    system's name), every other system once, at full width on one rank. settings: the
+    engine's quantization and kv_cache_dtype, and tp where it is not 1."""
     from workers.model.quantization import KV_CACHE_DTYPES
 
     weights = quantizations(quantization)
     caches = quantizations(kv_cache_dtype, KV_CACHE_DTYPES, "--kv-cache-dtype")
+    try:
+        ranks = [int(t) for t in tp.split(",")]
+    except ValueError:
+        raise ValueError(f"--tp {tp!r}: whole numbers of ranks, comma-separated") from None
+    if min(ranks) < 1:
+        raise ValueError(f"--tp {tp!r}: 1 or more ranks")
     runs = []
     for s in systems:
         tandem = s.startswith("tandem") and "unpacked" not in s
         for q in weights if tandem else ["none"]:
             for kv in caches if tandem else ["auto"]:
-                suffix = ("" if q == "none" else f"-{q}") + ("" if kv == "auto" else f"-{kv}kv")
-                runs.append((s + suffix, s, {"quantization": q, "kv_cache_dtype": kv}))
+                for n in ranks if s.startswith("tandem") else [1]:
+                    suffix = ("" if q == "none" else f"-{q}") + ("" if kv == "auto" else f"-{kv}kv")
+                    settings = {"quantization": q, "kv_cache_dtype": kv}
+                    if n > 1:
+                        suffix, settings["tp"] = suffix + f"-tp{n}", n
+                    runs.append((s + suffix, s, settings))
     return runs
 
 

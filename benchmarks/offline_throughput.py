@@ -34,6 +34,7 @@ from benchmarks.common import (  # noqa: E402
     DEFAULT_VLLM_PYTHON,
     RESULTS,
     ROOT,
+    add_tp_flag,
     describe_machine,
     export_default_model,
     load_workload,
@@ -251,12 +252,7 @@ def main() -> None:
         help="Tandem's KV cache, comma-separated (auto, fp8): each Tandem system once per "
         "value, and per --quantization value",
     )
-    p.add_argument(
-        "--tp",
-        default="1",
-        help="Tandem's tensor-parallel ranks, comma-separated: each Tandem system once per "
-        "value (tp 2 on two cores runs a rank per core, one thread each)",
-    )
+    add_tp_flag(p)
     p.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     p.add_argument(
         "--vllm-threads",
@@ -275,15 +271,9 @@ def main() -> None:
     if unknown:
         p.error(f"unknown systems: {', '.join(sorted(unknown))}")
     try:
-        runs = quantized_runs(systems, args.quantization, args.kv_cache_dtype)
-        tps = [int(t) for t in args.tp.split(",")]
+        runs = quantized_runs(systems, args.quantization, args.kv_cache_dtype, args.tp)
     except ValueError as e:
         p.error(str(e))
-    runs = [
-        (label + (f"-tp{tp}" if tp > 1 else ""), s, {**settings, "tp": tp} if tp > 1 else settings)
-        for label, s, settings in runs
-        for tp in (tps if s.startswith("tandem") else [1])
-    ]
     model_dir = export_default_model(RESULTS / "smollm2-135m-instruct-hf")
     requests = load_workload(Path(args.workload), model_dir, args.limit)
     job = {

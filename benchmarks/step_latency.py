@@ -67,9 +67,10 @@ class TandemEngine:
                 dtype=job["dtype"],
                 quantization=job.get("quantization", "none"),
                 kv_cache_dtype=job.get("kv_cache_dtype", "auto"),
+                tp=job.get("tp", 1),
                 max_num_seqs=max(job["batches"]),
                 max_model_len=model_len(job),
-                num_threads=job["threads"],
+                num_threads=max(1, job["threads"] // job.get("tp", 1)),  # per rank
             )
         )
 
@@ -357,6 +358,9 @@ def ints(text: str) -> list[int]:
 
 
 def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.common import add_tp_flag
+
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -391,6 +395,7 @@ def main() -> None:
         help="Tandem's KV cache, comma-separated (auto, fp8): each Tandem system runs once per "
         "value and --quantization value, as tandem and tandem-fp8kv",
     )
+    add_tp_flag(p)
     p.add_argument("--vllm-python", type=Path, default=None)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per system")
     p.add_argument("--out", type=Path, default=None)
@@ -399,7 +404,6 @@ def main() -> None:
     if args.worker:
         return worker_main(args.worker)
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from benchmarks.common import (
         DEFAULT_VLLM_PYTHON,
         RESULTS,
@@ -422,7 +426,7 @@ def main() -> None:
     if args.steps <= 0 or args.runs <= 0:
         p.error("--steps and --runs must be positive")
     try:
-        runs = quantized_runs(systems, args.quantization, args.kv_cache_dtype)
+        runs = quantized_runs(systems, args.quantization, args.kv_cache_dtype, args.tp)
     except ValueError as e:
         p.error(str(e))
     out = args.out or RESULTS / "step_latency.json"

@@ -94,6 +94,7 @@ def examine(cfg: ClusterConfig, ray_gpus: float | None = None) -> Report:
     r.offers.append(("CPU kernels", _cpu_kernels()))
     r.offers.append(("int8 and GGUF-as-stored weights (CPU)", _int8_kernel()))
     r.offers.append(("fp8 weights (CUDA)", _fp8(torch, cuda)))
+    r.offers.append(("tensor parallelism (offline --tp)", _tp(gpus)))
     r.offers.append(("redis-server", shutil.which("redis-server") or "not on PATH"))
     r.offers.append(("Ray", _ray_auth(version("ray"))))
     _needs(r, cfg, torch_version, cuda, ray_gpus if ray_gpus is not None else gpus, nccl, flash)
@@ -156,6 +157,19 @@ def _needs(r: Report, cfg: ClusterConfig, torch_version, cuda, gpus, nccl, flash
             r.missing.append("redis-server: not on PATH (install it, or give --redis-url)")
     else:
         r.needs.append(("Redis", _redis_ping(cfg.redis.url, r)))
+
+
+def _tp(gpus: int) -> str:
+    """What tp > 1 would run on here: its CPU ranks' collectives, and how many GPU ranks."""
+    import os
+
+    from workers.model.shm_collectives import shm_available
+
+    why = shm_available()
+    cpu = "shared memory" if why is None else f"gloo ({why})"
+    cores = len(os.sched_getaffinity(0))
+    text = f"CPU ranks: collectives over {cpu}, {cores} cores shared among them"
+    return text + (f"; CUDA: up to tp {gpus}, a GPU per rank" if gpus else "; no GPU ranks")
 
 
 def _nccl(torch) -> str | None:

@@ -172,3 +172,21 @@ def test_split_model_logits_equal_the_whole_models(tiny_model_dir, tp):
         assert torch.equal(got, results[0])
     torch.testing.assert_close(results[0], whole, rtol=1e-4, atol=1e-4)
     assert torch.equal(results[0].argmax(-1), whole.argmax(-1))
+
+
+def test_benchmarks_run_each_tandem_system_once_per_tp():
+    from benchmarks.common import quantized_runs, unquantized_label
+
+    full = {"quantization": "none", "kv_cache_dtype": "auto"}
+    runs = quantized_runs(["tandem", "tandem-unpacked", "vllm"], "none", "auto", "1,2")
+    assert runs == [
+        ("tandem", "tandem", full),
+        ("tandem-tp2", "tandem", {**full, "tp": 2}),
+        ("tandem-unpacked", "tandem-unpacked", full),
+        ("tandem-unpacked-tp2", "tandem-unpacked", {**full, "tp": 2}),
+        ("vllm", "vllm", full),  # one rank: tp is Tandem's
+    ]
+    assert unquantized_label("tandem-tp2", runs) == "tandem"
+    for bad in ("two", "0,1"):
+        with pytest.raises(ValueError, match="--tp"):
+            quantized_runs(["tandem"], "none", "auto", bad)
