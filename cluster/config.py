@@ -104,6 +104,11 @@ def _engine_overrides() -> type:
 EngineOverrides = _engine_overrides()
 
 
+def _set_fields(overrides) -> list[str]:
+    """The fields a pool's engine section sets (None: the shared section's value)."""
+    return [f.name for f in dataclasses.fields(overrides) if getattr(overrides, f.name) is not None]
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     replicas: int = field(
@@ -237,18 +242,27 @@ class ClusterConfig:
                 )
         if self.metrics_export_port is not None and not 0 < self.metrics_export_port < 65536:
             raise bad("metrics_export_port", "must be a TCP port")
-        self._check_pool_engines(bad)
+        engines = self._pool_engines(bad)
         self._check_devices(bad)
+        self._check_layouts(engines, bad)
 
-    def _check_pool_engines(self, bad) -> None:
-        """Each pool's engine, the shared section with its own fields over it, is valid; the
-        two pools agree on what the KV handoff carries; no pool asks for tp > 1 yet."""
+    def _pool_engines(self, bad) -> dict[Pool, EngineConfig]:
+        """Each pool's engine, the shared section with its own fields over it, checked (an
+        error names the pool's section if it sets anything, else the shared one); no pool
+        asks for tp > 1 yet."""
+        if self.mode is not Mode.DISAGGREGATED and _set_fields(self.prefill.engine):
+            raise bad(
+                "prefill.engine",
+                f"{', '.join(_set_fields(self.prefill.engine))}: a colocated cluster has no "
+                "prefill pool (its one pool is decode's: set decode.engine)",
+            )
         engines = {}
         for pool in self.pools:
             try:
                 engines[pool] = self.engine_for(pool)
             except ValueError as e:
-                raise bad(f"{pool.value}.engine", str(e)) from None
+                where = f"{pool.value}.engine" if _set_fields(self.pool(pool).engine) else "engine"
+                raise bad(where, str(e)) from None
             tp = engines[pool].tp
             if tp > 1:
                 own = self.pool(pool).engine.tp is not None
@@ -258,15 +272,23 @@ class ClusterConfig:
                     f"{tp}: the cluster's workers run one rank each for now; tensor "
                     "parallelism runs in the offline engine (tandem generate --offline --tp N)",
                 )
+        return engines
+
+    def _check_layouts(self, engines: dict[Pool, EngineConfig], bad) -> None:
+        """The two pools of a disaggregated cluster agree on what the KV handoff carries."""
         if self.mode is not Mode.DISAGGREGATED:
             return
         prefill, decode = engines[Pool.PREFILL], engines[Pool.DECODE]
         for name in KV_LAYOUT:
             mine, theirs = getattr(prefill, name), getattr(decode, name)
             if mine != theirs:
+                # Named where it was set: the pool that set it (prefill's, if both did).
+                pool = "prefill" if getattr(self.prefill.engine, name) is not None else "decode"
+                other = "decode" if pool == "prefill" else "prefill"
+                here, there = (mine, theirs) if pool == "prefill" else (theirs, mine)
                 raise bad(
-                    f"prefill.engine.{name}",
-                    f"{mine!r} against the decode pool's {theirs!r}: a KV handoff carries "
+                    f"{pool}.engine.{name}",
+                    f"{here!r} against the {other} pool's {there!r}: a KV handoff carries "
                     f"blocks of one layout, so both pools need one {name} (set engine.{name})",
                 )
 
@@ -320,7 +342,7 @@ class ClusterConfig:
         prefill workers. A dtype left auto on CUDA stays so: the worker picks it for its own
         GPU (bf16 from sm80, else fp16), which the machine reading the config may not have."""
         p = self.pool(pool)
-        own = {k: v for k, v in dataclasses.asdict(p.engine).items() if v is not None}
+        own = {k: getattr(p.engine, k) for k in _set_fields(p.engine)}
         shared = replace(self.engine, **own) if own else self.engine
         engine = shared.resolve(cuda=p.gpus >= 1)
         if engine.device != "cpu" and shared.dtype == "auto":

@@ -5,8 +5,8 @@ it, and `tandem generate --offline --tp 2` serves from the command line."""
 
 from __future__ import annotations
 
-import glob
 import json
+import os
 import subprocess
 import sys
 import time
@@ -85,6 +85,7 @@ def test_tp2_seeded_draws_equal_tp1s(engines):
 def test_a_rank_killed_mid_stream_fails_the_requests_at_once_and_leaves_nothing():
     e = engine(2)
     shm = e.followers.settings.shm
+    assert shm is not None and not os.path.exists(shm)  # unlinked once every rank had it
     ids = [e.add_request(p, SamplingParams(max_tokens=200)) for p in prompt_ids(e)[:3]]
     for _ in range(3):
         e.step()
@@ -100,8 +101,12 @@ def test_a_rank_killed_mid_stream_fails_the_requests_at_once_and_leaves_nothing(
     assert time.monotonic() - t0 < 30  # the dead rank is seen at its first missed collective
     assert set(ended) == set(ids)
     assert set(ended.values()) == {FinishReason.ERROR}
+    # The ranks are out of step for good: a later request is refused at once, by name.
+    late = e.add_request(prompt_ids(e)[0], SamplingParams(max_tokens=4))
+    [out] = [o for o in e.step() if o.request_id == late]
+    assert out.finish_reason is FinishReason.ERROR and "tp 2 engine is down" in out.error
     e.close()
-    assert not glob.glob(shm + "*")
+    assert all(p.poll() is not None for p in e.followers.procs)
 
 
 def test_generate_offline_tp2_from_the_command_line(engines):

@@ -101,9 +101,14 @@ def test_a_pools_engine_fields_override_the_shared_ones_for_that_pool_alone(tmp_
 
 
 @pytest.mark.parametrize("name,value", [("block_size", 32), ("dtype", "bfloat16")])
-def test_pools_that_would_hand_off_kv_of_two_layouts_are_refused_naming_the_field(name, value):
-    with pytest.raises(ValueError, match=rf"config field prefill\.engine\.{name}: .*one layout"):
-        config_io.load(ClusterConfig, None, {"prefill": {"engine": {name: value}}})
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+def test_pools_that_would_hand_off_kv_of_two_layouts_are_refused_naming_the_field(
+    pool, name, value
+):
+    other = "decode" if pool == "prefill" else "prefill"
+    want = rf"config field {pool}\.engine\.{name}: '?{value}'? against the {other} pool's"
+    with pytest.raises(ValueError, match=want + ".*one layout"):
+        config_io.load(ClusterConfig, None, {pool: {"engine": {name: value}}})
     both = {p: {"engine": {name: value}} for p in ("prefill", "decode")}
     assert getattr(config_io.load(ClusterConfig, None, both).engine_for(Pool.DECODE), name) == value
     colocated = {"mode": "colocated", "decode": {"engine": {name: value}}}
@@ -113,10 +118,15 @@ def test_pools_that_would_hand_off_kv_of_two_layouts_are_refused_naming_the_fiel
     )
 
 
-def test_a_pools_invalid_engine_is_refused_naming_the_pool():
+def test_a_pools_invalid_engine_is_refused_naming_the_pool_or_the_shared_section():
     bad = {"enable_chunked_prefill": False, "prefill_share": 0.5}
     with pytest.raises(ValueError, match=r"decode\.engine: prefill_share .* enable_chunked"):
         config_io.load(ClusterConfig, None, {"decode": {"engine": bad}})
+    with pytest.raises(ValueError, match=r"flags: engine: prefill_share .* enable_chunked"):
+        config_io.load(ClusterConfig, None, {"engine": bad})
+    colocated = {"mode": "colocated", "prefill": {"engine": {"max_num_seqs": 8}}}
+    with pytest.raises(ValueError, match=r"prefill\.engine: max_num_seqs: a colocated .* decode"):
+        config_io.load(ClusterConfig, None, colocated)
 
 
 def nest(path, value):

@@ -55,6 +55,24 @@ def test_every_head_channel_and_token_is_held_where_it_is_read(heads, kv_heads, 
     assert max(sizes) - min(sizes) <= 1
 
 
+def test_a_split_that_leaves_a_rank_no_vocabulary_is_refused():
+    assert tp_refusal(model_config(4, 4, vocab=9), 4) is not None  # chunks of 3: 3, 3, 3, 0
+    assert tp_refusal(model_config(4, 4, vocab=10), 4) is None  # 3, 3, 3, 1
+
+
+def test_a_misshapen_checkpoint_tensor_is_named_before_a_rank_takes_its_part(tiny_llama_dir):
+    from workers.model.config import CheckpointError
+    from workers.model.loader import assemble_model, read_checkpoint
+
+    cfg, tensors = read_checkpoint(resolve_model(str(tiny_llama_dir)))
+    name = "model.layers.1.mlp.down_proj.weight"
+    rank1 = Shard.of(cfg, 1, 2)
+    for bad in (tensors[name][:, :-2], torch.cat([tensors[name]] * 2, dim=1)):
+        broken = {**tensors, name: bad}.items()
+        with pytest.raises(CheckpointError, match=r"'layers\.1\.mlp\.down_proj\.weight' has"):
+            assemble_model(cfg, broken, torch.float32, torch.device("cpu"), "t", shard=rank1)
+
+
 @pytest.mark.parametrize("heads,kv_heads,tp", [(9, 3, 4), (9, 3, 6), (8, 2, 3), (4, 2, 8)])
 def test_a_split_that_would_break_a_head_is_refused_naming_the_heads(heads, kv_heads, tp):
     cfg = model_config(heads, kv_heads)
@@ -99,7 +117,7 @@ def _run_ranks(size: int, work, timeout_s: float = 30.0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("size", [2, 3])
 def test_shm_all_reduce_sums_in_rank_order_the_same_bits_on_every_rank(dtype, size, monkeypatch):
-    monkeypatch.setattr(shm_collectives, "SLOT_BYTES", 4096)  # 3 pieces of 1,500 elements
+    monkeypatch.setattr(shm_collectives, "SLOT_BYTES", 2048)  # 1,500 values: 3 or 2 pieces
     parts = [torch.randn(3, 500, generator=torch.Generator().manual_seed(r)) for r in range(size)]
 
     def work(r, comm):

@@ -132,7 +132,9 @@ class EngineConfig:
     num_kv_blocks: int | None = field(
         default=None, metadata=described("KV blocks (default: as many as --kv-cache-gb holds)")
     )
-    kv_cache_gb: float = field(default=1.0, metadata=described("KV cache memory per worker, GiB"))
+    kv_cache_gb: float = field(
+        default=1.0, metadata=described("KV cache memory per worker, GiB (per rank under tp > 1)")
+    )
     max_model_len: int | None = field(
         default=None, metadata=described("context length (default: the model's own)")
     )

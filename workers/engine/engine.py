@@ -85,18 +85,19 @@ class LLMEngine:
         config = self.config = config.resolve()
         # Under tp > 1, ranks 1.. start now and load their parts while this one loads its own.
         self.followers = self._start_ranks(config, model)
-        threads = config.num_threads
-        if self.followers is not None:
-            threads = self.followers.settings.threads
-        if threads and config.device == "cpu":
-            torch.set_num_threads(threads)
-        device = indexed(config.device)  # "cuda" pinned to a GPU: set_device needs its index
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # this thread's current device: the loop's
-        self.source = resolve_model(config.model) if model is None or tokenizer is None else None
-        self.tokenizer = tokenizer or Tokenizer(self.source)
-        ranks = None
-        try:
+        try:  # under tp > 1, a failure to start stops the ranks already started
+            threads = config.num_threads
+            if self.followers is not None:
+                threads = self.followers.settings.threads
+            if threads and config.device == "cpu":
+                torch.set_num_threads(threads)
+            device = indexed(config.device)  # "cuda" pinned to a GPU: set_device needs its index
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # this thread's current device: the loop's
+            need_source = model is None or tokenizer is None
+            self.source = resolve_model(config.model) if need_source else None
+            self.tokenizer = tokenizer or Tokenizer(self.source)
+            ranks = None
             if model is None:
                 model = build_model(
                     self.source,
@@ -108,28 +109,28 @@ class LLMEngine:
             if self.followers is not None:
                 ranks = self.followers.connect(device)
                 model.use_collectives(ranks.collectives)
+            self.model_config = model.cfg
+            self.max_model_len = config.context_len(model.cfg.max_position_embeddings)
+            # Under tp > 1, per rank: rank 0's KV heads are the most any rank holds.
+            num_blocks = config.num_kv_blocks or config.kv_blocks(
+                model.cfg.num_layers, model.local_cfg.kv_size
+            )
+            graphs = None
+            if make_graph is not None or (device.type == "cuda" and config.cuda_graphs):
+                graphs = GraphSettings(config.max_num_seqs, self.max_model_len, make_graph)
+            self.runner = ModelRunner(
+                model,
+                num_blocks,
+                config.block_size,
+                device,
+                config.attention_backend,
+                graphs,
+                kv_dtype=torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else None,
+                ranks=ranks,
+            )
         except BaseException:
             self.close()
             raise
-        self.model_config = model.cfg
-        self.max_model_len = config.context_len(model.cfg.max_position_embeddings)
-        # Under tp > 1, per rank: rank 0's KV heads are the most any rank holds.
-        num_blocks = config.num_kv_blocks or config.kv_blocks(
-            model.cfg.num_layers, model.local_cfg.kv_size
-        )
-        graphs = None
-        if make_graph is not None or (device.type == "cuda" and config.cuda_graphs):
-            graphs = GraphSettings(config.max_num_seqs, self.max_model_len, make_graph)
-        self.runner = ModelRunner(
-            model,
-            num_blocks,
-            config.block_size,
-            device,
-            config.attention_backend,
-            graphs,
-            kv_dtype=torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else None,
-            ranks=ranks,
-        )
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler(self.max_model_len), self.pool)
         eos = set(model.cfg.eos_token_ids)

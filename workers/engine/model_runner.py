@@ -142,8 +142,28 @@ class ModelRunner:
     def _forward(self, input_ids, positions, meta, layer_done=None) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_caches, self.backend, meta, layer_done)
 
-    @torch.inference_mode()
     def launch(
+        self, out: SchedulerOutput, layer_done=None, prev: LaunchedStep | None = None
+    ) -> LaunchedStep:
+        """`_launch` (below), on every rank under tp > 1."""
+        return self._on_all_ranks(("launch", out), lambda: self._launch(out, layer_done, prev))
+
+    def _on_all_ranks(self, message: tuple, run: Callable[[], object]):
+        """`run()` here; under tp > 1, on rank 0, once `message` has told the other ranks to
+        run it too. A failure once it is sent fails the ranks for good (`RankLink.fail`):
+        they may be waiting in a collective this rank will not make."""
+        if not self.leads:
+            return run()
+        self.ranks.check()
+        try:
+            self.ranks.send(message)
+            return run()
+        except BaseException as e:
+            self.ranks.fail(f"{type(e).__name__}: {e}")
+            raise
+
+    @torch.inference_mode()
+    def _launch(
         self, out: SchedulerOutput, layer_done=None, prev: LaunchedStep | None = None
     ) -> LaunchedStep:
         """Queue one step on the device; `layer_done(i)`, if given, is called as each layer
@@ -154,10 +174,8 @@ class ModelRunner:
         A row whose last token is PENDING (a decode scheduled while the step that draws
         that token ran) takes it from `prev`'s sampled ids, on the device.
 
-        Under tp > 1, rank 0 sends the step to the other ranks first, and its sampled ids
-        after; they run the same step on their parts and sample nothing."""
-        if self.leads:
-            self.ranks.send(("launch", out))
+        Under tp > 1, the other ranks run the same step on their parts and sample nothing:
+        rank 0's sampled ids reach them at the end."""
         scheduled = out.scheduled
         input_ids, positions, slots = [], [], []
         fill_at, fill_from = [], []  # rows of PENDING tokens; prev's sampled rows to read
@@ -197,7 +215,9 @@ class ModelRunner:
                 meta = StepMetadata(out, slots, inputs)
             row_col = inputs.add(rows)
             vocab = self.model.cfg.vocab_size
-            sampling = SamplingColumns(inputs, samplers, vocab, self.sync_free) if rows else None
+            sampling = None  # only the rank that samples needs the sampling columns
+            if rows and not follows:
+                sampling = SamplingColumns(inputs, samplers, vocab, self.sync_free)
             cols = inputs.send()
             if fills is not None:
                 at, src = (cols[i] for i in fills)
@@ -297,8 +317,10 @@ class ModelRunner:
     def prompt_logits(self, token_ids: list[int], blocks: list[int]) -> torch.Tensor:
         """Teacher-forced logits ([len, vocab], fp32) of `token_ids` prefilled whole into
         `blocks` (enough of them, held by the caller), outside any scheduled step."""
-        if self.leads:
-            self.ranks.send(("prompt_logits", list(token_ids), list(blocks)))
+        message = ("prompt_logits", list(token_ids), list(blocks))
+        return self._on_all_ranks(message, lambda: self._prompt_logits(token_ids, blocks))
+
+    def _prompt_logits(self, token_ids: list[int], blocks: list[int]) -> torch.Tensor:
         sched = ScheduledRequest(
             "logits", list(token_ids), 0, blocks, True, SamplingParams(temperature=0), 0, 0
         )

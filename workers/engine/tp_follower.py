@@ -39,6 +39,7 @@ def follow(settings: RankSettings, rank: int) -> None:
         store.set(f"failed/{rank}", f"{type(e).__name__}: {e}")
         return
     store.set(f"ready/{rank}", b"1")
+    pids = [int(p) for p in store.get("pids").decode().split(",")]
     link = RankLink(
         store,
         rank,
@@ -46,7 +47,7 @@ def follow(settings: RankSettings, rank: int) -> None:
         device,
         settings.step_timeout_s,
         settings.shm,
-        lambda: os.getppid() == settings.parent,
+        lambda: os.getppid() == settings.parent and all(map(_runs, pids)),
     )
     model.use_collectives(link.collectives)
     runner = None
@@ -56,14 +57,33 @@ def follow(settings: RankSettings, rank: int) -> None:
         op = message[0]
         if op == "close":
             return
-        if op == "init":
-            runner = ModelRunner(model, device=link.device, ranks=link, **message[1])
-        elif op == "launch":
-            prev = runner.launch(message[1], prev=prev)
-        elif op == "prompt_logits":
-            runner.prompt_logits(*message[1:])
-        else:
-            raise RuntimeError(f"tp rank {rank}: unknown message {op!r}")
+        try:
+            if op == "init":
+                runner = ModelRunner(model, device=link.device, ranks=link, **message[1])
+            elif op == "launch":
+                prev = runner.launch(message[1], prev=prev)
+            elif op == "prompt_logits":
+                runner.prompt_logits(*message[1:])
+            else:
+                raise RuntimeError(f"unknown message {op!r}")
+        except Exception:  # out of step with rank 0 from here on: gone, rank 0 sees it
+            logging.getLogger(__name__).exception("tp rank %d: %s failed; exiting", rank, op)
+            sys.exit(1)
+
+
+def _runs(pid: int) -> bool:
+    """Whether process `pid` still runs (a rank's sibling; not a zombie's parent's child)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 if __name__ == "__main__":  # a follower rank: its settings come on stdin (`Followers`)

@@ -35,7 +35,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from workers.model.shm_collectives import ShmCollectives, create_segment, shm_available
+from workers.model.shm_collectives import (
+    ShmCollectives,
+    create_segment,
+    shm_available,
+    shm_bytes,
+)
 from workers.model.tensor_parallel import Collectives
 
 log = logging.getLogger(__name__)
@@ -93,6 +98,8 @@ class RankLink:
         peers_alive=None,
     ) -> None:
         self.rank, self.size, self.device = rank, size, device
+        self.failed: str | None = None  # rank 0: why the ranks are out of step, once they are
+        self.on_failure = None  # rank 0: called once, when they fall out of step
         self.control = _gloo(dist.PrefixStore("control/", store), rank, size, CONTROL_TIMEOUT)
         step = datetime.timedelta(seconds=step_s)
         data_store = dist.PrefixStore("data/", store)
@@ -109,6 +116,24 @@ class RankLink:
                 os.unlink(shm)
         else:
             self.collectives = Collectives(self.data, size)
+
+    def fail(self, why: str) -> None:
+        """Rank 0: a step failed after it was sent, so the other ranks may be waiting in a
+        collective this rank will never make: every later step is refused, and the ranks
+        are stopped. An engine of tp > 1 does not outlive a failed step."""
+        if self.failed is None:
+            self.failed = why
+            log.error("tp %d: a step failed part-way (%s); stopping the ranks", self.size, why)
+            if self.on_failure is not None:
+                self.on_failure()
+
+    def check(self) -> None:
+        """Rank 0: raises once the ranks are out of step."""
+        if self.failed is not None:
+            raise RuntimeError(
+                f"tp {self.size} engine is down: a step failed part-way ({self.failed}); "
+                "start a new engine"
+            )
 
     def barrier(self) -> None:
         self.control.allreduce([torch.zeros(1)]).wait()
@@ -161,13 +186,7 @@ class Followers:
         size = config.tp
         self.store = store_server(HOST)
         self.store.set_timeout(datetime.timedelta(seconds=LOAD_TIMEOUT_S))
-        shm = None
-        if config.device == "cpu":
-            why = shm_available()
-            if why is None:
-                shm = create_segment(f"tandem-tp-{os.getpid()}-{self.store.port}", size)
-            else:
-                log.info("tp %d: collectives over gloo (%s)", size, why)
+        shm = _segment(config, size, self.store.port)
         self.settings = RankSettings(
             config,
             size,
@@ -177,26 +196,28 @@ class Followers:
             shm,
             os.getpid(),
         )
-        # Each rank a fresh interpreter running this module: nothing forked from a process
+        self.procs: list[subprocess.Popen] = []
+        self.link: RankLink | None = None
+        # Unless closed first, the ranks are stopped at once when this goes (or at exit), and
+        # the segment goes with them.
+        self._finalizer = weakref.finalize(self, _stop, self.procs, 0.0, shm)
+        # Each rank a fresh interpreter running tp_follower: nothing forked from a process
         # that holds threads, and nothing of the caller's __main__ run again.
-        blob = pickle.dumps(self.settings).hex()
+        blob = pickle.dumps(self.settings).hex().encode() + b"\n"
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        self.procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "workers.engine.tp_follower", str(r)],
-                stdin=subprocess.PIPE,
-                env=env,
-            )
-            for r in range(1, size)
-        ]
-        for p in self.procs:
-            p.stdin.write(blob.encode() + b"\n")
-            p.stdin.close()
-        self.link: RankLink | None = None
-        # Unless closed first, the ranks are stopped at once when this goes (or at exit).
-        self._finalizer = weakref.finalize(self, _stop, self.procs, 0.0)
+        try:
+            for r in range(1, size):
+                cmd = [sys.executable, "-m", "workers.engine.tp_follower", str(r)]
+                self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env))
+                self.procs[-1].stdin.write(blob)
+                self.procs[-1].stdin.close()
+            # Every rank watches every other: a follower waiting on a dead sibling stops too.
+            self.store.set("pids", ",".join(map(str, [os.getpid(), *self.pids])))
+        except BaseException:
+            self._finalizer()
+            raise
         log.info("tp %d: started ranks 1..%d, pids %s", size, size - 1, self.pids)
 
     @property
@@ -236,6 +257,8 @@ class Followers:
             settings.shm,
             lambda: all(self.alive()),
         )
+        # A step that fails part-way leaves the ranks out of step: they are stopped at once.
+        self.link.on_failure = lambda: _stop(self.procs, 0.0, None)
         return self.link
 
     def alive(self) -> list[bool]:
@@ -251,14 +274,31 @@ class Followers:
             except Exception as e:  # a rank already gone: stopped below
                 log.debug("tp close message not delivered: %s", e)
         self.link = None
-        _stop(self.procs, grace)
+        _stop(self.procs, grace, self.settings.shm)
         self._finalizer()
-        if self.settings.shm is not None and os.path.exists(self.settings.shm):
-            os.unlink(self.settings.shm)  # the ranks never all opened it
 
 
-def _stop(procs, grace_s: float) -> None:
-    """Each rank gone: given `grace_s` to exit on its own, then terminated, then killed."""
+def _segment(config, size: int, port: int) -> str | None:
+    """The shared-memory segment for CPU ranks' collectives, reserved whole now (a tmpfs
+    too small to hold it would kill a rank with SIGBUS at its first large step); None where
+    the ranks use gloo instead, and why is logged."""
+    if config.device != "cpu":
+        return None
+    why = shm_available()
+    if why is None:
+        try:
+            return create_segment(f"tandem-tp-{os.getpid()}-{port}", size)
+        except OSError as e:
+            why = f"/dev/shm cannot hold {shm_bytes(size) >> 20} MiB: {e}"
+    log.warning("tp %d: collectives over gloo, about 1 ms each (%s)", size, why)
+    return None
+
+
+def _stop(procs, grace_s: float, shm: str | None) -> None:
+    """Each rank gone: given `grace_s` to exit on its own, then terminated, then killed; the
+    segment unlinked if no rank got as far as unlinking it."""
+    if shm is not None and os.path.exists(shm):
+        os.unlink(shm)
     for p in procs:
         try:
             p.wait(grace_s)

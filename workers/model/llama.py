@@ -103,20 +103,28 @@ class DecoderLayer(nn.Module):
 class _Slot(NamedTuple):
     """Where one HF-named checkpoint tensor goes: `rows` rows of `param` from `start` (all of
     `param` when `rows` is None). `take`: under tp > 1, the (dim, start, length) of the
-    checkpoint tensor this rank holds (None: all of it)."""
+    checkpoint tensor this rank holds, and the tensor's whole size along dim (None: all of
+    it)."""
 
     param: torch.Tensor
     start: int = 0
     rows: int | None = None
-    take: tuple[int, int, int] | None = None
+    take: tuple[int, int, int, int] | None = None
 
     def view(self) -> torch.Tensor:
         return self.param if self.rows is None else self.param.narrow(0, self.start, self.rows)
 
-    def part(self, value: torch.Tensor) -> torch.Tensor:
+    def part(self, value: torch.Tensor, name: str, source: str) -> torch.Tensor:
         """This rank's part of the checkpoint tensor `value` (a view: a safetensors tensor
-        mapped from its file is read only where the part lies)."""
-        return value if self.take is None else value.narrow(*self.take)
+        mapped from its file is read only where the part lies), once the whole tensor's
+        shape is checked (a CheckpointError naming it)."""
+        if self.take is None:
+            return value
+        dim, start, length, whole = self.take
+        want = list(self.view().shape)
+        want[dim] = whole
+        _check_shape(value, want, name, source)
+        return value.narrow(dim, start, length)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -224,8 +232,11 @@ class LlamaForCausalLM(nn.Module):
         cfg, local = self.cfg, self.local_cfg
         split = self.shard.size > 1
 
-        def take(dim: int, part: str) -> tuple[int, int, int] | None:
-            return (dim, *self.shard.rows(part, cfg)) if split else None
+        whole = {"q": cfg.q_size, "kv": cfg.kv_size, "mlp": cfg.intermediate_size}
+        whole["vocab"] = cfg.vocab_size
+
+        def take(dim: int, part: str) -> tuple[int, int, int, int] | None:
+            return (dim, *self.shard.rows(part, cfg), whole[part]) if split else None
 
         vocab = take(0, "vocab")
         slots = {"embed_tokens.weight": _Slot(self.embed_tokens.weight, take=vocab)}
@@ -290,7 +301,7 @@ class LlamaForCausalLM(nn.Module):
                 if name in slots:
                     if value is not None:  # None: served from elsewhere (`StoredBlocks`)
                         slot = slots[name]
-                        _copy_into(slot.view(), slot.part(value), name, source)
+                        _copy_into(slot.view(), slot.part(value, name, source), name, source)
                     filled.add(name)
                 del value  # before the stream reads the next one
         for name in slots:
@@ -298,12 +309,16 @@ class LlamaForCausalLM(nn.Module):
                 raise CheckpointError(f"{source}: tensor {name!r} is missing")
 
 
-def _copy_into(dest: torch.Tensor, value: torch.Tensor, name: str, source: str) -> None:
-    if tuple(dest.shape) != tuple(value.shape):
+def _check_shape(value: torch.Tensor, want, name: str, source: str) -> None:
+    if tuple(value.shape) != tuple(want):
         raise CheckpointError(
             f"{source}: tensor {name!r} has shape {tuple(value.shape)}, "
-            f"expected {tuple(dest.shape)} for this config"
+            f"expected {tuple(want)} for this config"
         )
+
+
+def _copy_into(dest: torch.Tensor, value: torch.Tensor, name: str, source: str) -> None:
+    _check_shape(value, dest.shape, name, source)
     if value.device != dest.device and value.dtype != dest.dtype:
         # Over in the checkpoint's own dtype, converted on arrival: a blocking copy_ across
         # devices converts on the host first, into a host temporary of the destination's size.

@@ -46,11 +46,15 @@ def shm_bytes(size: int) -> int:
 
 
 def create_segment(name: str, size: int) -> str:
-    """Rank 0: a zeroed file in /dev/shm for `size` ranks; its path."""
+    """Rank 0: a zeroed file in /dev/shm for `size` ranks, its pages reserved now (OSError
+    where the tmpfs cannot hold it, rather than a SIGBUS at first touch); its path."""
     path = f"/dev/shm/{name}"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, shm_bytes(size))
+        os.posix_fallocate(fd, 0, shm_bytes(size))
+    except OSError:
+        os.unlink(path)
+        raise
     finally:
         os.close(fd)
     return path
@@ -78,7 +82,7 @@ class ShmCollectives(Collectives):
 
     def _exchange(self, part: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `part` (same shape and dtype on all), as views of the slots: valid
-        until the exchange after next."""
+        until this rank's next exchange (read them before it)."""
         self.count += 1
         n = self.count
         nbytes = part.numel() * part.element_size()

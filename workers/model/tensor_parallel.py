@@ -37,8 +37,9 @@ def tp_refusal(cfg: ModelConfig, tp: int) -> str | None:
                 f"is repeated: tp must then be a multiple of {cfg.num_kv_heads} and divide "
                 f"its {cfg.num_heads} attention heads"
             )
-    if tp > cfg.intermediate_size or tp > cfg.vocab_size:
-        return f"tp={tp} exceeds the model's MLP width or vocabulary"
+    chunk = -(-cfg.vocab_size // tp)
+    if tp > cfg.intermediate_size or chunk * (tp - 1) >= cfg.vocab_size:
+        return f"tp={tp} leaves a rank no part of the model's MLP or vocabulary"
     return None
 
 
