@@ -291,6 +291,7 @@ def print_status(s: dict) -> None:
             f"{w['name']:<12} {state:<{width}} pid={w['pid']:<7} "
             f"node={w['node']:<15} kv={w['kv_blocks_free']}/{w['kv_blocks_total']}"
             f"{kv_width(w)} "
-            f"running={w['running']} waiting={w['waiting']}"
+            + (f"ranks={','.join(map(str, w['rank_pids']))} " if w.get("rank_pids") else "")
+            + f"running={w['running']} waiting={w['waiting']}"
             f"{' draining' if w['draining'] else ''}"
         )

@@ -243,7 +243,7 @@ class ClusterConfig:
         if self.metrics_export_port is not None and not 0 < self.metrics_export_port < 65536:
             raise bad("metrics_export_port", "must be a TCP port")
         engines = self._pool_engines(bad)
-        self._check_devices(bad)
+        self._check_devices(engines, bad)
         self._check_layouts(engines, bad)
 
     def _pool_engines(self, bad) -> dict[Pool, EngineConfig]:
@@ -264,14 +264,16 @@ class ClusterConfig:
                 where = f"{pool.value}.engine" if _set_fields(self.pool(pool).engine) else "engine"
                 raise bad(where, str(e)) from None
             tp = engines[pool].tp
-            if tp > 1:
-                own = self.pool(pool).engine.tp is not None
-                name = f"{pool.value}.engine.tp" if own else "engine.tp"
+            own = self.pool(pool).engine.tp is not None
+            name = f"{pool.value}.engine.tp" if own else "engine.tp"
+            if tp > 1 and self.mode is Mode.DISAGGREGATED:
                 raise bad(
                     name,
-                    f"{tp}: the cluster's workers run one rank each for now; tensor "
-                    "parallelism runs in the offline engine (tandem generate --offline --tp N)",
+                    f"{tp}: a disaggregated cluster's workers run one rank each for now (the "
+                    "KV handoff between rank layouts is not built); tp > 1 runs in colocated "
+                    "mode and offline (tandem generate --offline --tp N)",
                 )
+
         return engines
 
     def _check_layouts(self, engines: dict[Pool, EngineConfig], bad) -> None:
@@ -292,7 +294,7 @@ class ClusterConfig:
                     f"blocks of one layout, so both pools need one {name} (set engine.{name})",
                 )
 
-    def _check_devices(self, bad) -> None:
+    def _check_devices(self, engines: dict[Pool, EngineConfig], bad) -> None:
         """Each worker's device follows from the engine's and its pool's GPUs. A CUDA worker
         needs a whole GPU of its own: Ray hides GPUs from an actor that declares none (or, in
         some versions, shows it every GPU, so that all of them use GPU 0), and two ranks of a
@@ -311,12 +313,15 @@ class ClusterConfig:
                 )
             if device.startswith("cuda") and gpus < 1:
                 raise bad(name, f"{gpus:g}: engine.device={device!r} needs gpus >= 1 per worker")
-            if gpus > 1:
+            tp = engines[pool].tp
+            if gpus > 1 and tp == 1:
                 raise bad(
                     name,
-                    f"{gpus:g}: a worker runs its model on one GPU (no tensor parallelism), "
-                    "so it would hold GPUs it never uses; add workers instead",
+                    f"{gpus:g}: a worker of tp 1 runs its model on one GPU, so it would hold "
+                    "GPUs it never uses; add workers instead (or set its engine.tp)",
                 )
+            if tp > 1 and gpus and gpus != tp:
+                raise bad(name, f"{gpus:g}: a worker of tp {tp} runs a rank per GPU: {tp}")
             if device == "cpu" and gpus:
                 raise bad(name, f"{gpus:g}: engine.device='cpu' would hold GPUs it never uses")
             index = int(device.partition(":")[2] or 0)
@@ -360,6 +365,8 @@ class ClusterConfig:
                 engine = replace(engine, prefill_chunk_size=whole)
         if engine.device != "cpu":
             return engine
+        if engine.tp > 1 and not engine.num_threads:  # the worker's CPUs shared by its ranks
+            return replace(engine, num_threads=max(1, (p.threads or int(p.cpus)) // engine.tp))
         return replace(engine, num_threads=p.threads or engine.num_threads or max(1, int(p.cpus)))
 
     def pool(self, pool: Pool) -> PoolConfig:

@@ -306,6 +306,7 @@ class WorkerStatus:
     kv_blocks_free: int = 0
     kv_blocks_reservable: int = 0  # the most one request can ever hold (total less the watermark)
     kv_bytes_per_token: int = 0  # K and V of one token, every layer, in the cache's dtype
+    rank_pids: tuple[int, ...] = ()  # tp > 1: the worker's other ranks (it is rank 0)
     running: int = 0
     waiting: int = 0
     reserved: int = 0  # decode: reservations whose KV has not landed yet

@@ -76,6 +76,8 @@ class WorkerBase:
             self.node = node_address()
             self.liveness = LivenessPort(self.transfer_host)
             self.metrics = WorkerMetrics(self.pool.value, name)
+            if self.engine.followers is not None:  # tp > 1: a lost rank is this worker's death
+                self.engine.followers.on_dead = self._rank_lost
         except BaseException:
             self.loop.stop()  # its thread must not wait for a start that never comes
             raise
@@ -112,9 +114,21 @@ class WorkerBase:
     def start_loop(self, on_outputs) -> None:
         self.loop.start(on_outputs)
 
+    def _rank_lost(self, why: str) -> None:
+        """One of this worker's tp ranks is gone, or out of step: the worker goes too, at once,
+        so that the pool replaces it and its requests are replayed, as for any dead worker."""
+        logging.getLogger(__name__).error("%s: %s; exiting", self.name, why)
+        for h in logging.getLogger().handlers:
+            h.flush()
+        os._exit(70)
+
     def status(self) -> WorkerStatus:
         """Answered from the loop's last snapshot: never waits for a step to end. Brings the
-        worker's metrics up to date on the way."""
+        worker's metrics up to date on the way. Under tp > 1, a rank found dead here ends the
+        worker (an idle worker runs no collective that would find it)."""
+        followers = self.engine.followers
+        if followers is not None and not all(followers.alive()):
+            self._rank_lost(f"a tp rank exited (ranks {followers.pids}: {followers.alive()})")
         s = self.loop.stats
         self.metrics.observe(s)
         return WorkerStatus(
@@ -135,6 +149,7 @@ class WorkerBase:
             preemptions=s.preemptions,
             prefix_hit_blocks=s.prefix_hit_blocks,
             stalled_s=self.loop.stalled_s,
+            rank_pids=tuple(followers.pids) if followers is not None else (),
         )
 
     def queued_prefill_tokens(self) -> int:

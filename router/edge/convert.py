@@ -87,6 +87,7 @@ def worker_status(s: WorkerStatus) -> pb.WorkerStatus:
         prefix_hit_blocks=s.prefix_hit_blocks,
         unresponsive_s=s.unresponsive_s,
         kv_bytes_per_token=s.kv_bytes_per_token,
+        rank_pids=list(s.rank_pids),
     )
 
 
@@ -113,6 +114,7 @@ def status_to_dict(s: pb.StatusResponse) -> dict:
             "kv_blocks_total": w.kv_blocks_total,
             "kv_blocks_free": w.kv_blocks_free,
             "kv_bytes_per_token": w.kv_bytes_per_token,
+            "rank_pids": list(w.rank_pids),
             "running": w.running,
             "waiting": w.waiting,
             "reserved": w.reserved,

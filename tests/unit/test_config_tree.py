@@ -62,22 +62,30 @@ def get(cfg, path):
 
 
 def leaf_cases():
-    """Every field a cluster takes other values of (an offline-only field takes its default
-    alone: test_offline_only_fields_are_refused_by_the_cluster)."""
+    """Every field a cluster takes other values of (a colocated-only field takes its default
+    alone in the default, disaggregated, cluster: test_tp_needs_a_colocated_cluster)."""
     return [
         pytest.param(leaf, id=leaf.name)
         for leaf in config_io.leaves(ClusterConfig)
-        if not leaf.field.metadata.get("offline_only")
+        if not leaf.field.metadata.get("colocated_only")
     ]
 
 
-def test_offline_only_fields_are_refused_by_the_cluster():
-    offline = [x for x in config_io.leaves(ClusterConfig) if x.field.metadata.get("offline_only")]
-    assert [x.name for x in offline] == ["engine.tp", "prefill.engine.tp", "decode.engine.tp"]
-    with pytest.raises(ValueError, match=r"config field engine\.tp: 2: .*--offline --tp N"):
+def test_tp_needs_a_colocated_cluster_and_a_gpu_per_rank():
+    only = [x for x in config_io.leaves(ClusterConfig) if x.field.metadata.get("colocated_only")]
+    assert [x.name for x in only] == ["engine.tp", "prefill.engine.tp", "decode.engine.tp"]
+    with pytest.raises(ValueError, match=r"config field engine\.tp: 2: .*handoff between rank"):
         ClusterConfig(engine=EngineConfig(tp=2))
-    with pytest.raises(ValueError, match=r"config field decode\.engine\.tp: 2: .*one rank"):
+    with pytest.raises(ValueError, match=r"config field decode\.engine\.tp: 2: .*colocated"):
         config_io.load(ClusterConfig, None, {"decode": {"engine": {"tp": 2}}})
+    colocated = {"mode": "colocated", "decode": {"cpus": 4, "engine": {"tp": 2}}}
+    engine = config_io.load(ClusterConfig, None, colocated).engine_for(Pool.DECODE)
+    assert (engine.tp, engine.num_threads) == (2, 2)  # the worker's 4 CPUs, 2 per rank
+    on_gpus = {"mode": "colocated", "decode": {"gpus": 1, "engine": {"tp": 2}}}
+    with pytest.raises(ValueError, match=r"decode\.gpus: 1: a worker of tp 2 runs a rank per"):
+        config_io.load(ClusterConfig, None, on_gpus)
+    on_gpus["decode"]["gpus"] = 2
+    assert config_io.load(ClusterConfig, None, on_gpus).engine_for(Pool.DECODE).tp == 2
 
 
 def test_a_pools_engine_fields_override_the_shared_ones_for_that_pool_alone(tmp_path):

@@ -78,7 +78,7 @@ def test_auto_resolves_to_what_the_device_takes(engine, cuda, want):
         ({}, {"gpus": 1}, {"gpus": 1.5}, "decode.gpus: 1.5: GPUs are whole"),
         ({"device": "cpu"}, {"gpus": 1}, {}, "prefill.gpus: 1: engine.device='cpu'"),
         ({"device": "cuda:1"}, {"gpus": 1}, {"gpus": 1}, "engine.device: 'cuda:1'"),
-        ({"device": "cuda"}, {"gpus": 1}, {"gpus": 2}, "decode.gpus: 2: a worker runs its model"),
+        ({"device": "cuda"}, {"gpus": 1}, {"gpus": 2}, "decode.gpus: 2: a worker of tp 1 runs"),
         ({}, {"gpus": 1}, {"gpus": 0}, "decode.gpus: the prefill pool runs on cuda"),
     ],
 )

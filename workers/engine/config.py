@@ -200,9 +200,9 @@ class EngineConfig:
         default=1,
         metadata=described(
             "tensor-parallel ranks: the model's heads, MLP and vocabulary split over this "
-            "many processes (a GPU each on CUDA, from the device's index on); the offline "
-            "engine only for now",
-            offline_only=True,
+            "many processes (a GPU each on CUDA, from the device's index on); in a cluster, "
+            "colocated mode only for now",
+            colocated_only=True,
         ),
     )
     cuda_graphs: bool = field(

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,6 +199,8 @@ class Followers:
         )
         self.procs: list[subprocess.Popen] = []
         self.link: RankLink | None = None
+        # Called with why once the ranks are lost (a worker ends itself: worker_common.py).
+        self.on_dead: Callable[[str], None] | None = None
         # Unless closed first, the ranks are stopped at once when this goes (or at exit), and
         # the segment goes with them.
         self._finalizer = weakref.finalize(self, _stop, self.procs, 0.0, shm)
@@ -258,8 +261,13 @@ class Followers:
             lambda: all(self.alive()),
         )
         # A step that fails part-way leaves the ranks out of step: they are stopped at once.
-        self.link.on_failure = lambda: _stop(self.procs, 0.0, None)
+        self.link.on_failure = self._lost
         return self.link
+
+    def _lost(self) -> None:
+        _stop(self.procs, 0.0, None)
+        if self.on_dead is not None:
+            self.on_dead(f"tp ranks out of step: {self.link.failed if self.link else ''}")
 
     def alive(self) -> list[bool]:
         return [p.poll() is None for p in self.procs]
