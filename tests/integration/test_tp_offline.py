@@ -27,14 +27,17 @@ PROMPTS = [
 ]
 
 
-def engine(tp: int) -> LLMEngine:
-    return LLMEngine(EngineConfig(device="cpu", dtype="float32", tp=tp, num_kv_blocks=256))
+def engine(tp: int, **more) -> LLMEngine:
+    return LLMEngine(EngineConfig(device="cpu", dtype="float32", tp=tp, num_kv_blocks=256, **more))
 
 
 @pytest.fixture(scope="module")
 def engines():
-    one, two = engine(1), engine(2)
+    """tp 1, and tp 2 with overlap on: a step launched before the last one landed takes its
+    tokens from rank 0's sampled ids on every rank (off, the CLI and the kill tests)."""
+    one, two = engine(1), engine(2, overlap="on")
     yield one, two
+    assert two.overlapped_steps > 0
     two.close()
 
 
