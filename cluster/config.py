@@ -248,8 +248,8 @@ class ClusterConfig:
 
     def _pool_engines(self, bad) -> dict[Pool, EngineConfig]:
         """Each pool's engine, the shared section with its own fields over it, checked (an
-        error names the pool's section if it sets anything, else the shared one); no pool
-        asks for tp > 1 yet."""
+        error names the pool's section if it sets anything, else the shared one); tp > 1 in
+        colocated mode only."""
         if self.mode is not Mode.DISAGGREGATED and _set_fields(self.prefill.engine):
             raise bad(
                 "prefill.engine",
@@ -318,18 +318,26 @@ class ClusterConfig:
                 raise bad(
                     name,
                     f"{gpus:g}: a worker of tp 1 runs its model on one GPU, so it would hold "
-                    "GPUs it never uses; add workers instead (or set its engine.tp)",
+                    "GPUs it never uses; add workers instead"
+                    + (" (or set its engine.tp)" if self.mode is not Mode.DISAGGREGATED else ""),
                 )
-            if tp > 1 and gpus and gpus != tp:
-                raise bad(name, f"{gpus:g}: a worker of tp {tp} runs a rank per GPU: {tp}")
             if device == "cpu" and gpus:
                 raise bad(name, f"{gpus:g}: engine.device='cpu' would hold GPUs it never uses")
+            if tp > 1 and gpus and gpus != tp:
+                raise bad(name, f"{gpus:g}: a worker of tp {tp} runs a rank per GPU: {tp}")
+            if tp > 1 and not gpus and self.pool(pool).cpus < tp:
+                raise bad(
+                    f"{pool.value}.cpus",
+                    f"{self.pool(pool).cpus:g}: a worker of tp {tp} runs {tp} processes on the "
+                    f"CPU, so it declares at least {tp} CPUs",
+                )
             index = int(device.partition(":")[2] or 0)
-            if device.startswith("cuda") and index >= gpus:
+            if device.startswith("cuda") and index + tp > gpus:
                 raise bad(
                     "engine.device",
                     f"{device!r}: a worker sees only the {gpus:g} GPU(s) Ray gives it, as "
-                    f"cuda:0..{gpus - 1:g} ({name})",
+                    f"cuda:0..{gpus - 1:g} ({name})"
+                    + (f", and its {tp} ranks take {tp} from its index on" if tp > 1 else ""),
                 )
             kinds[pool] = self.engine_for(pool).device.partition(":")[0]
         if len(set(kinds.values())) > 1:
@@ -365,8 +373,9 @@ class ClusterConfig:
                 engine = replace(engine, prefill_chunk_size=whole)
         if engine.device != "cpu":
             return engine
-        if engine.tp > 1 and not engine.num_threads:  # the worker's CPUs shared by its ranks
-            return replace(engine, num_threads=max(1, (p.threads or int(p.cpus)) // engine.tp))
+        if engine.tp > 1:  # num_threads is per rank; the worker's threads are shared out
+            per_rank = engine.num_threads or max(1, (p.threads or int(p.cpus)) // engine.tp)
+            return replace(engine, num_threads=per_rank)
         return replace(engine, num_threads=p.threads or engine.num_threads or max(1, int(p.cpus)))
 
     def pool(self, pool: Pool) -> PoolConfig:

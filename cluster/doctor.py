@@ -94,7 +94,7 @@ def examine(cfg: ClusterConfig, ray_gpus: float | None = None) -> Report:
     r.offers.append(("CPU kernels", _cpu_kernels()))
     r.offers.append(("int8 and GGUF-as-stored weights (CPU)", _int8_kernel()))
     r.offers.append(("fp8 weights (CUDA)", _fp8(torch, cuda)))
-    r.offers.append(("tensor parallelism (offline --tp)", _tp(gpus)))
+    r.offers.append(("tensor parallelism (tp)", _tp(gpus)))
     r.offers.append(("redis-server", shutil.which("redis-server") or "not on PATH"))
     r.offers.append(("Ray", _ray_auth(version("ray"))))
     _needs(r, cfg, torch_version, cuda, ray_gpus if ray_gpus is not None else gpus, nccl, flash)
@@ -125,13 +125,13 @@ def _needs(r: Report, cfg: ClusterConfig, torch_version, cuda, gpus, nccl, flash
             )
         if not cuda and not cfg.ray_address:
             r.missing.append("CUDA: the config runs workers on CUDA and no GPU is visible here")
-        if cfg.mode is Mode.DISAGGREGATED:
+        if cfg.mode is Mode.DISAGGREGATED or any(e.tp > 1 for e in engines.values()):
             if nccl is None:
-                r.missing.append("NCCL: CUDA KV transfers need a torch build with NCCL")
+                r.missing.append("NCCL: CUDA KV transfers and tp > 1 need a torch build with NCCL")
             if version_before(torch_version, NCCL_MIN_TORCH):
                 r.missing.append(
-                    f"torch >= 2.6 for NCCL KV transfers (this is {torch_version}): older "
-                    "ones ignore a wait's timeout"
+                    f"torch >= 2.6 for NCCL KV transfers and tp > 1 (this is {torch_version}): "
+                    "older ones ignore a wait's timeout"
                 )
         e = engines[cfg.pools[0]]
         if e.attention_backend == "flash-attn" and not flash[1]:

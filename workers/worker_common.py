@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from kv_transfer.streams import device_streams
@@ -17,6 +18,7 @@ from workers.messages import DecodeEndpoint, Pool, WorkerInfo, WorkerStatus
 from workers.metrics import WorkerMetrics
 
 LOOP_WAIT_S = 60.0
+DOOMED_S = 5.0  # tp > 1: the most a worker outlives its ranks while a step is answered
 
 
 def node_address() -> str:
@@ -52,6 +54,8 @@ class WorkerBase:
 
     pool: Pool
     endpoint: DecodeEndpoint | None = None  # where prefill workers send KV (decode workers)
+    _doomed: str | None = None  # tp > 1: why the worker ends once this step is answered
+    _doomed_at = 0.0
 
     def __init__(
         self,
@@ -112,12 +116,27 @@ class WorkerBase:
         )
 
     def start_loop(self, on_outputs) -> None:
-        self.loop.start(on_outputs)
+        def handed_on(outputs) -> None:
+            try:
+                on_outputs(outputs)
+            finally:
+                if self._doomed is not None:  # tp > 1: a failed step's requests are answered
+                    self._rank_lost(self._doomed)
 
-    def _rank_lost(self, why: str) -> None:
-        """One of this worker's tp ranks is gone, or out of step: the worker goes too, at once,
-        so that the pool replaces it and its requests are replayed, as for any dead worker."""
+        self.loop.start(handed_on)
+
+    def _rank_lost(self, why: str, at_once: bool = True) -> None:
+        """This worker's tp ranks are gone, or out of step: the worker goes too, so that the
+        pool replaces it and its requests are replayed, as for any dead worker. At once where
+        a rank died; after the failed step's outputs are handed on where a step failed with
+        every rank alive, so that its own requests end with that step's error rather than
+        being replayed into the next worker (a request that breaks a step would break them
+        all)."""
+        if not at_once:
+            self._doomed, self._doomed_at = why, time.monotonic()
+            return
         logging.getLogger(__name__).error("%s: %s; exiting", self.name, why)
+        self.engine.followers.kill()
         for h in logging.getLogger().handlers:
             h.flush()
         os._exit(70)
@@ -127,8 +146,11 @@ class WorkerBase:
         worker's metrics up to date on the way. Under tp > 1, a rank found dead here ends the
         worker (an idle worker runs no collective that would find it)."""
         followers = self.engine.followers
-        if followers is not None and not all(followers.alive()):
-            self._rank_lost(f"a tp rank exited (ranks {followers.pids}: {followers.alive()})")
+        if followers is not None:
+            if self._doomed is not None and time.monotonic() - self._doomed_at > DOOMED_S:
+                self._rank_lost(self._doomed)  # a failed step that had nothing to answer
+            if self._doomed is None and not all(followers.alive()):
+                self._rank_lost(f"a tp rank exited (ranks {followers.pids}: {followers.alive()})")
         s = self.loop.stats
         self.metrics.observe(s)
         return WorkerStatus(

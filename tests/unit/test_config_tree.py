@@ -78,14 +78,24 @@ def test_tp_needs_a_colocated_cluster_and_a_gpu_per_rank():
         ClusterConfig(engine=EngineConfig(tp=2))
     with pytest.raises(ValueError, match=r"config field decode\.engine\.tp: 2: .*colocated"):
         config_io.load(ClusterConfig, None, {"decode": {"engine": {"tp": 2}}})
-    colocated = {"mode": "colocated", "decode": {"cpus": 4, "engine": {"tp": 2}}}
-    engine = config_io.load(ClusterConfig, None, colocated).engine_for(Pool.DECODE)
+    parser = argparse.ArgumentParser()
+    config_io.add_flags(parser, ClusterConfig, FLAT)
+    flags = ["--mode", "colocated", "--decode-tp", "2", "--decode-cpus", "4"]
+    engine = load_config(None, parser.parse_args(flags)).engine_for(Pool.DECODE)
     assert (engine.tp, engine.num_threads) == (2, 2)  # the worker's 4 CPUs, 2 per rank
+    per_rank = load_config(None, parser.parse_args([*flags, "--num-threads", "3"]))
+    assert per_rank.engine_for(Pool.DECODE).num_threads == 3  # engine.num_threads: each rank's
+    colocated = {"mode": "colocated", "decode": {"cpus": 1, "engine": {"tp": 2}}}
+    with pytest.raises(ValueError, match=r"decode\.cpus: 1: a worker of tp 2 runs 2 processes"):
+        config_io.load(ClusterConfig, None, colocated)
     on_gpus = {"mode": "colocated", "decode": {"gpus": 1, "engine": {"tp": 2}}}
     with pytest.raises(ValueError, match=r"decode\.gpus: 1: a worker of tp 2 runs a rank per"):
         config_io.load(ClusterConfig, None, on_gpus)
     on_gpus["decode"]["gpus"] = 2
     assert config_io.load(ClusterConfig, None, on_gpus).engine_for(Pool.DECODE).tp == 2
+    on_gpus["engine"] = {"device": "cuda:1"}
+    with pytest.raises(ValueError, match=r"engine\.device: 'cuda:1': .* its 2 ranks take 2"):
+        config_io.load(ClusterConfig, None, on_gpus)
 
 
 def test_a_pools_engine_fields_override_the_shared_ones_for_that_pool_alone(tmp_path):

@@ -497,8 +497,18 @@ class LLMEngine:
             prefix_query_blocks=sched.num_prefix_queries,
             prefill_tokens=self.prefill_tokens,
             decode_tokens=self.decode_tokens,
-            kv_bytes_per_token=self.kv_layout.bytes_per_token,
+            kv_bytes_per_token=self._kv_bytes_per_token(),
         )
+
+    def _kv_bytes_per_token(self) -> int:
+        """K and V of one token, every layer, in the cache's dtype: under tp > 1, over every
+        rank's heads (a KV head repeated on several ranks counts on each)."""
+        layout = self.kv_layout
+        if self.config.tp == 1:
+            return layout.bytes_per_token
+        cfg = self.model_config
+        held = max(cfg.num_kv_heads, self.config.tp)  # each rank holds one past kv_heads
+        return layout.bytes_per_token // layout.num_kv_heads * held
 
     # -- the loop body ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

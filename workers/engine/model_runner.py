@@ -138,6 +138,8 @@ class ModelRunner:
             self.graphs.capture()
         elif graphs is not None:
             log.info("decode steps run eagerly: backend %s is not graph-safe", self.backend.name)
+        if self.leads:  # every rank's runner is built (one that failed is gone: this raises)
+            ranks.barrier()
 
     def _forward(self, input_ids, positions, meta, layer_done=None) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_caches, self.backend, meta, layer_done)

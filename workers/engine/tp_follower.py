@@ -7,6 +7,8 @@ import logging
 import os
 import pickle
 import sys
+import threading
+import time
 
 import torch
 
@@ -20,6 +22,7 @@ def follow(settings: RankSettings, rank: int) -> None:
     """A follower rank's process: load its part, meet the others, then run each step rank 0
     sends until told to close (or until rank 0 is gone)."""
     config = settings.config
+    threading.Thread(target=_orphaned, args=(settings.parent,), daemon=True).start()
     logging.basicConfig(level=logging.INFO, format=f"[tp rank {rank}] %(message)s")
     if settings.threads:
         torch.set_num_threads(settings.threads)
@@ -60,6 +63,7 @@ def follow(settings: RankSettings, rank: int) -> None:
         try:
             if op == "init":
                 runner = ModelRunner(model, device=link.device, ranks=link, **message[1])
+                link.barrier()  # rank 0 waits for every rank's runner here
             elif op == "launch":
                 prev = runner.launch(message[1], prev=prev)
             elif op == "prompt_logits":
@@ -69,6 +73,14 @@ def follow(settings: RankSettings, rank: int) -> None:
         except Exception:  # out of step with rank 0 from here on: gone, rank 0 sees it
             logging.getLogger(__name__).exception("tp rank %d: %s failed; exiting", rank, op)
             sys.exit(1)
+
+
+def _orphaned(parent: int) -> None:
+    """Exit once rank 0 is gone, whatever the main thread is doing (a rank stuck outside a
+    collective would otherwise outlive its worker, holding its memory or GPU)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _runs(pid: int) -> bool:

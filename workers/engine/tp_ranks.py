@@ -199,8 +199,9 @@ class Followers:
         )
         self.procs: list[subprocess.Popen] = []
         self.link: RankLink | None = None
-        # Called with why once the ranks are lost (a worker ends itself: worker_common.py).
-        self.on_dead: Callable[[str], None] | None = None
+        # Called with (why, a rank died) once the ranks are lost (a worker ends itself:
+        # worker_common.py).
+        self.on_dead: Callable[[str, bool], None] | None = None
         # Unless closed first, the ranks are stopped at once when this goes (or at exit), and
         # the segment goes with them.
         self._finalizer = weakref.finalize(self, _stop, self.procs, 0.0, shm)
@@ -265,9 +266,19 @@ class Followers:
         return self.link
 
     def _lost(self) -> None:
-        _stop(self.procs, 0.0, None)
+        """The ranks fell out of step: a rank died (every request it was running is lost
+        with it), or a step failed with all of them alive (the engine fails that step's
+        requests, as under tp 1, and `on_dead` is told it need not act before they are
+        answered)."""
+        died = not all(self.alive())
+        self.kill()
         if self.on_dead is not None:
-            self.on_dead(f"tp ranks out of step: {self.link.failed if self.link else ''}")
+            why = f"tp ranks out of step: {self.link.failed if self.link else ''}"
+            self.on_dead(why, died)
+
+    def kill(self) -> None:
+        """Stop every rank now, without asking."""
+        _stop(self.procs, 0.0, self.settings.shm)
 
     def alive(self) -> list[bool]:
         return [p.poll() is None for p in self.procs]
