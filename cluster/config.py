@@ -339,7 +339,7 @@ class ClusterConfig:
                     f"cuda:0..{gpus - 1:g} ({name})"
                     + (f", and its {tp} ranks take {tp} from its index on" if tp > 1 else ""),
                 )
-            kinds[pool] = self.engine_for(pool).device.partition(":")[0]
+            kinds[pool] = engines[pool].device.partition(":")[0]
         if len(set(kinds.values())) > 1:
             raise bad(
                 "decode.gpus",

@@ -101,3 +101,23 @@ def assert_clean(status, active_ids, timeout_s: float = 60.0) -> dict:
     s = wait_for(all_free, timeout_s, "all KV blocks free")
     wait_for(lambda: not active_ids(), timeout_s, "every record terminal")
     return s
+
+
+def replayed_through_a_kill(cluster, requests, want, pid_of, pool: str = "decode") -> None:
+    """The pool's lone worker struck mid-stream by killing `pid_of(worker)` (its own pid, or
+    one of its tp ranks'): every stream ends whole and equal to `want` (G1, G2), the pool
+    restarts once, and nothing is left held (G3)."""
+    restarts = cluster.status()["pools"][pool]["restarts"]
+
+    async def strike():
+        [only] = await live_workers(cluster.client, pool)
+        kill(pid_of(only))
+
+    results, _ = cluster.run(run_with_fault(cluster.client, requests, strike), timeout=600)
+    assert_whole(results, want)
+    wait_for(
+        lambda: cluster.status()["pools"][pool]["restarts"] == restarts + 1,
+        240,
+        f"the {pool} pool restarted once",
+    )
+    assert_clean(cluster.status, lambda: cluster.run(cluster.store.active()))

@@ -92,29 +92,8 @@ def test_quantized_streams_stay_whole_through_a_decode_kill(cluster, llm):
     """The lone decode worker killed mid-stream: its replacement loads the same quantized
     weights the same way, so the replayed streams equal the offline engine's, token for
     token."""
-    from tests.fault.faults import (
-        assert_clean,
-        assert_whole,
-        kill,
-        live_workers,
-        run_with_fault,
-        wait_for,
-    )
-    from tests.fault.faults import workload as fault_workload
+    from tests.fault.faults import replayed_through_a_kill, workload
 
-    requests = fault_workload(8, max_tokens=48)
+    requests = workload(8, max_tokens=48)
     want = [c.token_ids for c in llm.generate(requests)]
-    restarts = cluster.status()["pools"]["decode"]["restarts"]
-
-    async def strike():
-        [only] = await live_workers(cluster.client, "decode")
-        kill(only["pid"])
-
-    results, _ = cluster.run(run_with_fault(cluster.client, requests, strike), timeout=600)
-    assert_whole(results, want)
-    wait_for(
-        lambda: cluster.status()["pools"]["decode"]["restarts"] == restarts + 1,
-        180,
-        "the decode pool restarted once",
-    )
-    assert_clean(cluster.status, lambda: cluster.run(cluster.store.active()))
+    replayed_through_a_kill(cluster, requests, want, lambda worker: worker["pid"])

@@ -64,29 +64,8 @@ def test_tp2_streams_equal_the_offline_tp2_engine_and_status_shows_the_ranks(clu
 
 @pytest.mark.fault
 def test_a_rank_killed_mid_stream_is_its_workers_death_and_every_stream_is_replayed(cluster, llm):
-    from tests.fault.faults import (
-        assert_clean,
-        assert_whole,
-        kill,
-        live_workers,
-        run_with_fault,
-        wait_for,
-    )
-    from tests.fault.faults import workload as fault_workload
+    from tests.fault.faults import replayed_through_a_kill, workload
 
-    requests = fault_workload(6, max_tokens=40)
+    requests = workload(6, max_tokens=40)
     want = [c.token_ids for c in llm.generate(requests)]
-    restarts = cluster.status()["pools"]["decode"]["restarts"]
-
-    async def strike():
-        [only] = await live_workers(cluster.client, "decode")
-        kill(only["rank_pids"][0])
-
-    results, _ = cluster.run(run_with_fault(cluster.client, requests, strike), timeout=600)
-    assert_whole(results, want)
-    wait_for(
-        lambda: cluster.status()["pools"]["decode"]["restarts"] == restarts + 1,
-        240,
-        "the decode pool restarted once",
-    )
-    assert_clean(cluster.status, lambda: cluster.run(cluster.store.active()))
+    replayed_through_a_kill(cluster, requests, want, lambda worker: worker["rank_pids"][0])

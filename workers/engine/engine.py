@@ -108,7 +108,6 @@ class LLMEngine:
                 )
             if self.followers is not None:
                 ranks = self.followers.connect(device)
-                model.use_collectives(ranks.collectives)
             self.model_config = model.cfg
             self.max_model_len = config.context_len(model.cfg.max_position_embeddings)
             # Under tp > 1, per rank: rank 0's KV heads are the most any rank holds.

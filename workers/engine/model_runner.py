@@ -79,6 +79,8 @@ class ModelRunner:
         cfg = model.local_cfg  # this rank's heads, under tp > 1
         self.ranks = ranks
         self.leads = ranks is not None and ranks.rank == 0
+        if ranks is not None:
+            model.use_collectives(ranks.collectives)
         if self.leads:
             ranks.send(
                 (

@@ -52,7 +52,6 @@ def follow(settings: RankSettings, rank: int) -> None:
         settings.shm,
         lambda: os.getppid() == settings.parent and all(map(_runs, pids)),
     )
-    model.use_collectives(link.collectives)
     runner = None
     prev = None
     while True:

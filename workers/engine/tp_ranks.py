@@ -7,16 +7,18 @@ them from rank 0 as one message, the step's `SchedulerOutput`, and each runs the
 its part, joined by the model's collectives. The tokens rank 0 samples are broadcast back, so
 that a step launched before the last one landed (overlap) reads them on every rank.
 
-Two process groups join the ranks, formed through a TCPStore that rank 0 hosts on loopback
-(the ranks share a node):
-- `control`, gloo, for the step messages; its timeout is long, because a follower waits in it
-  for as long as the engine stays idle;
-- `data`, gloo on the CPU and NCCL on CUDA, for the model's all-reduces and all-gathers and
-  the sampled tokens; its timeout is `step_timeout_s`, after which a rank that hangs fails the
-  step, and with it the engine (a worker's liveness checks then see it die).
+The ranks meet through a TCPStore that rank 0 hosts on loopback (they share a node), and
+talk over:
+- `control`, a gloo group, for the step messages; its timeout is long, because a follower
+  waits in it for as long as the engine stays idle;
+- the model's collectives (its all-reduces and all-gathers, and the sampled tokens): on the
+  CPU a shared-memory segment (shm_collectives.py), whose waits watch the other ranks'
+  processes; else a `data` group, NCCL on CUDA (gloo where shared memory cannot serve). Their
+  timeout is `step_timeout_s`, after which a rank that hangs fails the step, and with it the
+  engine (a worker's liveness checks then see it die).
 
-A follower that dies closes its sockets, so rank 0's next collective fails at once; rank 0's
-death does the same to every follower's wait, and each exits.
+A rank that dies is seen by the others' next collective; a follower whose rank 0 is gone
+exits, whatever it is doing (tp_follower.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -102,21 +105,22 @@ class RankLink:
         self.failed: str | None = None  # rank 0: why the ranks are out of step, once they are
         self.on_failure = None  # rank 0: called once, when they fall out of step
         self.control = _gloo(dist.PrefixStore("control/", store), rank, size, CONTROL_TIMEOUT)
-        step = datetime.timedelta(seconds=step_s)
-        data_store = dist.PrefixStore("data/", store)
-        if device.type == "cuda":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = step
-            self.data = dist.ProcessGroupNCCL(data_store, rank, size, opts)
-        else:
-            self.data = _gloo(data_store, rank, size, step)
+        self._frame = torch.zeros(FRAME, dtype=torch.uint8)  # each message's first broadcast
         if shm is not None:
             self.collectives = ShmCollectives(shm, rank, size, step_s, peers_alive)
             self.barrier()  # every rank has it open: rank 0 may unlink it
             if rank == 0:
                 os.unlink(shm)
+            return
+        step = datetime.timedelta(seconds=step_s)
+        data_store = dist.PrefixStore("data/", store)
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = step
+            data = dist.ProcessGroupNCCL(data_store, rank, size, opts)
         else:
-            self.collectives = Collectives(self.data, size)
+            data = _gloo(data_store, rank, size, step)
+        self.collectives = Collectives(data, size)
 
     def fail(self, why: str) -> None:
         """Rank 0: a step failed after it was sent, so the other ranks may be waiting in a
@@ -143,21 +147,21 @@ class RankLink:
         """Rank 0: one message to every other rank: one frame of FRAME bytes (its length
         first), and what does not fit in a second broadcast."""
         blob = pickle.dumps(message)
-        frame = torch.zeros(FRAME, dtype=torch.uint8)
-        frame[:8].view(torch.int64)[0] = len(blob)
+        frame = self._frame.numpy()
+        frame[:8].view(np.int64)[0] = len(blob)
         head = min(len(blob), FRAME - 8)
-        frame[8 : 8 + head] = torch.frombuffer(bytearray(blob[:head]), dtype=torch.uint8)
-        self.control.broadcast(frame, 0).wait()
+        frame[8 : 8 + head] = np.frombuffer(blob, np.uint8, head)
+        self.control.broadcast(self._frame, 0).wait()
         if head < len(blob):
-            rest = torch.frombuffer(bytearray(blob[head:]), dtype=torch.uint8)
-            self.control.broadcast(rest, 0).wait()
+            rest = np.frombuffer(blob, np.uint8, offset=head).copy()  # gloo writes to it
+            self.control.broadcast(torch.from_numpy(rest), 0).wait()
 
     def receive(self):
         """Ranks 1..: the next message from rank 0 (waits for it)."""
-        frame = torch.empty(FRAME, dtype=torch.uint8)
-        self.control.broadcast(frame, 0).wait()
-        length = int(frame[:8].view(torch.int64)[0])
-        blob = frame[8 : 8 + min(length, FRAME - 8)].numpy().tobytes()
+        self.control.broadcast(self._frame, 0).wait()
+        frame = self._frame.numpy()
+        length = int(frame[:8].view(np.int64)[0])
+        blob = frame[8 : 8 + min(length, FRAME - 8)].tobytes()
         if len(blob) < length:
             rest = torch.empty(length - len(blob), dtype=torch.uint8)
             self.control.broadcast(rest, 0).wait()

@@ -162,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
         local = input_ids - start
         mine = (local >= 0) & (local < count)
         x = self.embed_tokens(local.clamp(0, max(count - 1, 0)))
-        return self.comm.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
+        return self.comm.all_reduce(x.masked_fill_(~mine.unsqueeze(-1), 0))
 
     @torch.inference_mode()
     def forward(
